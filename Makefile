@@ -1,0 +1,33 @@
+# The README's two commands: `make run` (the whole pipeline on the embedded default) and `make test`.
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat requirements/lock.txt pyproject.toml | cksum | cut -d' ' -f1)
+
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export GX_ANALYTICS_ENABLED ?= false
+export DO_NOT_TRACK ?= 1
+
+.PHONY: install run test bench clean
+
+install: $(STAMP)
+
+$(STAMP): requirements/lock.txt pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: install Python 3.11 or run make PYTHON=/path/to/python3.11"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade -q "pip>=24"
+	$(BIN)/python -m pip install -r requirements/lock.txt
+	$(BIN)/python -m pip install --no-deps --no-build-isolation -e .
+	rm -f $(VENV)/.installed-*; touch $@
+
+run: install
+	$(BIN)/xbn run
+
+test: install
+	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
+
+bench: install
+	$(BIN)/python -m benchmarks all
+
+clean:
+	rm -rf $(VENV) .pytest_cache

