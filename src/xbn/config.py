@@ -7,6 +7,7 @@ work starts (the CLI turns it into a non-zero exit).
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,7 +40,7 @@ class DataConfig(Section):
     labels_file: str | None = None
     manifest: str = "data/manifest.csv"
     val_classes: float = Field(0.15, ge=0.0, lt=1.0)
-    split_seed: int = 0
+    split_seed: int = Field(0, ge=0)
     image_size: int = Field(64, ge=16)
     num_workers: int = Field(2, ge=0)
     glyphs: GlyphsConfig = GlyphsConfig()
@@ -94,7 +95,7 @@ class TrainConfig(Section):
     lr_gamma: float = Field(0.33, gt=0.0, le=1.0)
     batch_size: int = Field(64, ge=2)
     samples_per_class: int = Field(4, ge=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     device: str = "auto"
     amp: bool = True
     channels_last: bool = True
@@ -118,6 +119,8 @@ class EvalConfig(Section):
     batch_size: int = Field(128, ge=1)
     query_chunk: int = Field(4096, ge=1)
     split: Literal["val", "test"] = "test"
+    # Also score the untrained model (pretrained backbone, fresh head) so a run shows what training bought.
+    baseline: bool = True
     output: str = "metrics/eval.json"
 
     @model_validator(mode="after")
@@ -127,6 +130,35 @@ class EvalConfig(Section):
         return self
 
 
+class ValidateConfig(Section):
+    min_images_per_class: int = Field(2, ge=1)
+    min_image_side: int = Field(8, ge=1)
+    max_image_side: int = Field(10_000, ge=1)
+    # Compare split sizes with the published counts for SOP, CUB, CARS196 and In-Shop.
+    check_published_counts: bool = True
+    report: str = "reports/validation.json"
+    report_text: str = "reports/validation.md"
+
+
+class TrackingConfig(Section):
+    # MLFLOW_TRACKING_URI in the environment takes precedence (a server in production).
+    uri: str = "sqlite:///mlflow.db"
+    experiment: str = "xbn"
+
+
+class RegistryConfig(Section):
+    model_name: str = "xbn-embedder"
+    primary_metric: str = "recall@1"
+    min_improvement: float = Field(0.0, ge=0.0)
+    tolerance: float = Field(0.01, ge=0.0)
+    guarded_metrics: list[str] = ["recall@10", "map@r", "r_precision", "nmi"]
+    report: str = "reports/registry.json"
+
+
+# The `validate` stage's section shadows pydantic's deprecated `BaseModel.validate` classmethod; harmless.
+warnings.filterwarnings("ignore", message='Field name "validate"', category=UserWarning)
+
+
 class Params(Section):
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
@@ -134,6 +166,9 @@ class Params(Section):
     loss: LossConfig = LossConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    validate: ValidateConfig = ValidateConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    registry: RegistryConfig = RegistryConfig()
 
 
 def _format_error(err: ValidationError) -> str:
@@ -142,6 +177,8 @@ def _format_error(err: ValidationError) -> str:
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown key '{key}'")
+        elif e["type"] == "value_error" and isinstance(e.get("input"), dict):  # a check across keys: its message names them
+            lines.append(e["msg"].removeprefix("Value error, "))
         else:
             lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
     return "invalid params: " + "; ".join(lines)

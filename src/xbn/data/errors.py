@@ -2,4 +2,4 @@
 
 
 class DatasetError(ValueError):
-    """A dataset file or image that cannot be used; the message names the file, the line or row and the key."""
+    """A dataset file or image that cannot be used; its message names the file, line or row, and key."""

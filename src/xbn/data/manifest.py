@@ -41,10 +41,14 @@ def safe_relative_path(text: str, source: str | Path, line_no: int | None) -> st
         raise DatasetError(f"{where}: empty image path")
     win = PureWindowsPath(raw)
     if PurePosixPath(raw).is_absolute() or win.drive or win.root:
-        raise DatasetError(f"{where}: image path {raw!r} is absolute; paths must be relative to the dataset root")
+        raise DatasetError(
+            f"{where}: image path {raw!r} is absolute; paths must be relative to the dataset root"
+        )
     parts = raw.replace("\\", "/").split("/")
     if ".." in parts:
-        raise DatasetError(f"{where}: image path {raw!r} contains '..'; paths must stay inside the dataset root")
+        raise DatasetError(
+            f"{where}: image path {raw!r} contains '..'; paths must stay inside the dataset root"
+        )
     clean = "/".join(p for p in parts if p not in ("", "."))
     if not clean:
         raise DatasetError(f"{where}: image path {raw!r} names no file")
@@ -59,8 +63,11 @@ def build_manifest(
 ) -> pd.DataFrame:
     """Assemble manifest columns with their dtypes (strings; nullable Int64 boxes, NA = whole image)."""
     df = pd.DataFrame(
-        {"path": pd.Series(paths, dtype=str), "label": pd.Series(labels, dtype=str),
-         "split": pd.Series(splits, dtype=str)}
+        {
+            "path": pd.Series(paths, dtype=str),
+            "label": pd.Series(labels, dtype=str),
+            "split": pd.Series(splits, dtype=str),
+        }
     )
     if boxes is not None:
         whole = (None,) * len(BOX_COLUMNS)
@@ -87,7 +94,8 @@ def check_box(box: Box, source: str | Path, line_no: int | None) -> Box:
     x1, y1, x2, y2 = box
     if x1 < 0 or y1 < 0 or x2 <= x1 or y2 <= y1:
         raise DatasetError(
-            f"{_where(source, line_no)}: box {list(box)} is empty or negative (need 0 <= x1 < x2, 0 <= y1 < y2)"
+            f"{_where(source, line_no)}: box {list(box)} is empty or negative "
+            "(need 0 <= x1 < x2 and 0 <= y1 < y2)"
         )
     return box
 
@@ -122,12 +130,16 @@ def read_manifest(path: str | Path) -> pd.DataFrame:
             if not any(f.strip() for f in row):
                 continue
             if len(row) != len(header):
-                raise DatasetError(f"{path} line {line}: expected {len(header)} fields ({header}), got {len(row)}")
+                raise DatasetError(
+                    f"{path} line {line}: expected {len(header)} fields ({header}), got {len(row)}"
+                )
             label, split = row[col["label"]].strip(), row[col["split"]].strip()
             if not label:
                 raise DatasetError(f"{path} line {line}: empty 'label'")
             if split not in SPLITS:
-                raise DatasetError(f"{path} line {line}: 'split' is {split!r}, expected one of {list(SPLITS)}")
+                raise DatasetError(
+                    f"{path} line {line}: 'split' is {split!r}, expected one of {list(SPLITS)}"
+                )
             paths.append(safe_relative_path(row[col["path"]], path, line))
             labels.append(label)
             splits.append(split)

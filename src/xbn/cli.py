@@ -1,0 +1,128 @@
+"""The `xbn` command: one subcommand per pipeline stage, each reading params.yaml (validated first)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from xbn.config import ConfigError, Params, load_params
+
+EXIT_CONFIG, EXIT_DATA = 2, 3
+
+
+def _stage_generate(params: Params, args) -> dict:
+    from xbn.data.glyphs import generate_glyphs
+
+    g = params.data.glyphs
+    root = generate_glyphs(params.data.root, classes=g.classes, images_per_class=g.images_per_class,
+                           image_size=g.image_size, seed=g.seed)
+    return {"root": str(root), **g.model_dump()}
+
+
+def _stage_validate(params: Params, args) -> dict:
+    from xbn.stages.validate import validate
+
+    return validate(params)
+
+
+def _stage_register(params: Params, args) -> dict:
+    from xbn.stages.register import register
+
+    return register(params)
+
+
+def _registry(params: Params, args):
+    from xbn.stages import register as registry
+
+    if args.action == "review":
+        return registry.review(params)
+    if args.action == "promote":
+        return registry.promote(params, args.version, args.reason, user=args.user)
+    return registry.rollback(params, args.reason, user=args.user)
+
+
+def _stage_prepare(params: Params, args) -> dict:
+    from xbn.stages.prepare import prepare
+
+    return prepare(params)
+
+
+def _stage_train(params: Params, args) -> dict:
+    from xbn.stages.train import train
+
+    return train(params, resume=args.resume, progress=not args.quiet)
+
+
+def _stage_evaluate(params: Params, args) -> dict:
+    from xbn.stages.evaluate import evaluate
+
+    return evaluate(params)
+
+
+def _stage_run(params: Params, args) -> dict:
+    args.resume = False
+    return {name: fn(params, args) for name, fn in
+            (("prepare", _stage_prepare), ("train", _stage_train), ("evaluate", _stage_evaluate))}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    common.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a param, e.g. --set memory.method=xbn (repeatable)")
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    parser = argparse.ArgumentParser(prog="xbn", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("generate", parents=[common],
+                   help="generate the embedded glyph dataset at data.root").set_defaults(fn=_stage_generate)
+    sub.add_parser("prepare", parents=[common], help="read the dataset, write the manifest").set_defaults(
+        fn=_stage_prepare)
+    sub.add_parser("validate", parents=[common],
+                   help="check the manifest and images before training").set_defaults(fn=_stage_validate)
+    train = sub.add_parser("train", parents=[common], help="train the embedding model")
+    train.add_argument("--resume", action="store_true", help="continue from models/last.pt")
+    train.set_defaults(fn=_stage_train)
+    sub.add_parser("evaluate", parents=[common], help="retrieval metrics on the test protocol").set_defaults(
+        fn=_stage_evaluate)
+    sub.add_parser("register", parents=[common],
+                   help="register the model as a challenger and apply the promotion gate").set_defaults(
+        fn=_stage_register)
+    registry = sub.add_parser("registry", parents=[common], help="review and move the registry's aliases")
+    actions = registry.add_subparsers(dest="action", required=True)
+    actions.add_parser("review", help="champion vs challenger, side by side")
+    promote = actions.add_parser("promote", help="make a version the champion")
+    promote.add_argument("--version", required=True, type=int)
+    promote.add_argument("--reason", required=True)
+    rollback = actions.add_parser("rollback", help="restore the previous champion")
+    rollback.add_argument("--reason", required=True)
+    for p in (promote, rollback):
+        p.add_argument("--user", default=None, help="who decides (default: $USER)")
+    registry.set_defaults(fn=_registry)
+    sub.add_parser("run", parents=[common], help="prepare, train and evaluate in order").set_defaults(
+        fn=_stage_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        params = load_params(args.params, args.overrides)
+    except ConfigError as exc:
+        print(f"xbn: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    from xbn.data import DatasetError
+
+    try:
+        result = args.fn(params, args)
+    except (DatasetError, FileNotFoundError) as exc:
+        print(f"xbn {args.command}: {exc}", file=sys.stderr)
+        return EXIT_DATA
+    print(result if isinstance(result, str) else json.dumps(result, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""`ImageDataset`: the images of a manifest subset, as `(tensor, label, index)` for training and embedding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset
+from torchvision.transforms.functional import to_tensor
+
+from xbn.data.errors import DatasetError
+from xbn.data.manifest import BOX_COLUMNS, encode_labels
+
+
+class ImageDataset(Dataset):
+    """Images listed in `manifest` (paths relative to `root`), cropped to their box when one is given.
+
+    `labels` are the integer labels of the rows (default: `encode_labels` of the manifest's labels); the
+    index is returned too so the memory bank and the evaluation can map outputs back to rows.
+    `transform` maps an RGB PIL image to a tensor (default: `to_tensor`).
+    """
+
+    def __init__(
+        self,
+        manifest: pd.DataFrame,
+        root: str | Path,
+        labels: Sequence[int] | np.ndarray | None = None,
+        transform: Callable[[Image.Image], torch.Tensor] | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.paths: list[str] = manifest["path"].astype(str).tolist()
+        self.labels = np.asarray(
+            encode_labels(manifest["label"]) if labels is None else labels, dtype=np.int64
+        )
+        if self.labels.shape != (len(self.paths),):
+            raise ValueError(f"{len(self.paths)} manifest rows but labels of shape {self.labels.shape}")
+        # Plain lists, not the DataFrame: cheap to pickle into every DataLoader worker.
+        self.boxes: list[tuple[int, int, int, int] | None] = [None] * len(self.paths)
+        if all(c in manifest.columns for c in BOX_COLUMNS):
+            for i, box in enumerate(manifest[list(BOX_COLUMNS)].itertuples(index=False)):
+                if not any(pd.isna(v) for v in box):
+                    self.boxes[i] = tuple(int(v) for v in box)
+        self.transform = transform or to_tensor
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def load(self, index: int) -> Image.Image:
+        """The RGB image of row `index` (grayscale and palette images converted), cropped to its box."""
+        path = self.root / self.paths[index]
+        try:
+            with Image.open(path) as img:
+                image = img.convert("RGB")
+        except (OSError, UnidentifiedImageError) as exc:
+            raise DatasetError(f"cannot read image {path.resolve()}: {exc}") from exc
+        box = self.boxes[index]
+        return image.crop(box) if box is not None else image
+
+    def __getitem__(self, index: int) -> tuple[Any, int, int]:
+        return self.transform(self.load(index)), int(self.labels[index]), index

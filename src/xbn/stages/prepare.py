@@ -1,0 +1,34 @@
+"""Stage `prepare`: read the dataset in its own format, carve the validation classes, write the manifest."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from xbn.config import Params
+from xbn.data import carve_validation, read_dataset, write_manifest
+
+log = logging.getLogger(__name__)
+
+
+def prepare(params: Params) -> dict:
+    d = params.data
+    root = Path(d.root)
+    if d.dataset == "glyphs":
+        from xbn.data.glyphs import generate_glyphs
+
+        g = d.glyphs
+        generate_glyphs(root, classes=g.classes, images_per_class=g.images_per_class, image_size=g.image_size,
+                        seed=g.seed)
+    elif not root.exists():
+        raise FileNotFoundError(f"data.root does not exist: {root}")
+    options = {"seed": d.split_seed} if d.dataset == "folder" else {}
+    frame = read_dataset(d.dataset, root, labels_file=d.labels_file, **options)
+    frame = carve_validation(frame, d.val_classes, seed=d.split_seed)
+    write_manifest(frame, d.manifest)
+    summary = {
+        split: {"images": int(len(part)), "classes": int(part["label"].nunique())}
+        for split, part in frame.groupby("split")
+    }
+    log.info("wrote %s: %s", d.manifest, summary)
+    return summary

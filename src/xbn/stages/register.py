@@ -1,0 +1,316 @@
+"""Stage `register` and the registry jobs behind `xbn registry review|promote|rollback`.
+
+`register` adds the trained model (the run's pyfunc) as a new version of `registry.model_name` with alias
+`challenger`, and lets the promotion gate decide whether it becomes `champion`:
+- the first model becomes champion;
+- metrics are comparable only on the same evaluation data: when the data hash differs from the champion's the
+  version is `held` (never promoted automatically) and the reason says so;
+- otherwise it is `promoted` only if `registry.primary_metric` improves on the champion's by more than zero and
+  by at least `registry.min_improvement`, and no metric in `registry.guarded_metrics` falls by more than
+  `registry.tolerance`; else `rejected`, naming each failed condition.
+A version that becomes champion loses the `challenger` alias and records the champion it replaced as tag
+`previous_champion`, which `rollback` restores. Every decision is written as version tags (`decision`,
+`reason`, `decided_by`, `decided_at`) and to `registry.report`. All MLflow access goes through `xbn.tracking`.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from xbn.config import Params, RegistryConfig, flatten
+from xbn.tracking import (
+    ModelVersionInfo,
+    PipelineRun,
+    Registry,
+    data_hash,
+    file_digest,
+    log_model,
+    metric_tags,
+    params_hash,
+    pipeline_run,
+    run_summary,
+    scores_of,
+)
+from xbn.utils.io import write_json
+
+CHAMPION, CHALLENGER = "champion", "challenger"
+GATE = "gate"  # `decided_by` of the automatic decisions
+# The params a reader of the model card wants first; the full set is in the run.
+KEY_PARAMS = ("data.dataset", "data.image_size", "model.backbone", "model.pretrained", "model.embedding_dim",
+              "memory.method", "memory.size", "loss.name", "train.epochs", "train.warmup_epochs", "train.lr",
+              "train.batch_size", "train.samples_per_class", "train.seed")
+_EPS = 1e-12  # metrics are stored with full precision; this only absorbs float rounding in the differences
+
+
+@dataclass(frozen=True)
+class Decision:
+    promote: bool
+    decision: str  # promoted | rejected | held
+    reason: str
+
+
+def gate(challenger: Mapping[str, float], champion: ModelVersionInfo | None, challenger_data_hash: str | None,
+         cfg: RegistryConfig) -> Decision:
+    """The promotion gate (see the module docstring). Pure: reads the champion's tags, calls nothing."""
+    if champion is None:
+        return Decision(True, "promoted", "first registered model: there is no champion to compare with")
+    champ = champion.metrics
+    champion_hash = champion.tags.get("data_hash")
+    if not challenger_data_hash or champion_hash != challenger_data_hash:
+        return Decision(False, "held", (
+            f"evaluated on other data than champion v{champion.version} (data hash {_short(challenger_data_hash)} "
+            f"vs {_short(champion_hash)}): the metrics are not comparable, so it is not promoted automatically; "
+            f"review it and run `xbn registry promote` to promote it by hand"))
+    primary = cfg.primary_metric
+    if primary not in champ:
+        return Decision(False, "held", f"champion v{champion.version} has no '{primary}' tag to compare with")
+    failures = []
+    delta = challenger[primary] - champ[primary]
+    if not (delta > _EPS and delta >= cfg.min_improvement - _EPS):
+        failures.append(f"{primary} {challenger[primary]:.4f} vs champion v{champion.version} {champ[primary]:.4f} "
+                        f"({delta:+.4f}) does not beat it by more than 0 and at least {cfg.min_improvement:g}")
+    for name in cfg.guarded_metrics:
+        if name not in champ:
+            continue  # nothing to guard against
+        if name not in challenger:
+            failures.append(f"{name} was not measured (champion has {champ[name]:.4f})")
+        elif champ[name] - challenger[name] > cfg.tolerance + _EPS:
+            failures.append(f"{name} fell by {champ[name] - challenger[name]:.4f} "
+                            f"({champ[name]:.4f} -> {challenger[name]:.4f}), more than the tolerance {cfg.tolerance:g}")
+    if failures:
+        return Decision(False, "rejected", "; ".join(failures))
+    return Decision(True, "promoted", (
+        f"{primary} {champ[primary]:.4f} -> {challenger[primary]:.4f} ({delta:+.4f}) over champion "
+        f"v{champion.version}; no guarded metric fell by more than {cfg.tolerance:g}"))
+
+
+def register(params: Params) -> dict:
+    """Register `models/model.pt` with the metrics of `eval.output`, apply the gate, write `registry.report`.
+
+    Idempotent: a model whose sha256 is already registered is reported (with its recorded decision) and
+    nothing is created or changed.
+    """
+    cfg = params.registry
+    checkpoint = Path(params.train.checkpoint_dir) / "model.pt"
+    results_file = Path(params.eval.output)
+    for path, stage in ((checkpoint, "train"), (results_file, "evaluate")):
+        if not path.exists():
+            raise FileNotFoundError(f"{path} not found: run `xbn {stage}` first")
+    metrics = scores_of(json.loads(results_file.read_text()))
+    if cfg.primary_metric not in metrics:
+        raise ValueError(f"registry.primary_metric '{cfg.primary_metric}' is not in {results_file} "
+                         f"(it has {', '.join(sorted(metrics))})")
+    sha = file_digest(checkpoint)
+    registry = Registry(params)
+    if existing := registry.find_by_tag("model_sha256", sha):
+        return _write_report(params, registry, existing, compared=None, already_registered=True)
+
+    champion = registry.by_alias(CHAMPION)
+    data = data_hash(params)
+    decision = gate(metrics, champion, data, cfg)
+    with pipeline_run(params, "register") as run:
+        model_uri = log_model(params, run, checkpoint)
+        tags = {"data_hash": data or "unknown", "params_hash": params_hash(params), "model_sha256": sha,
+                **metric_tags(metrics)}
+        version = registry.create(model_uri, tags).version
+        registry.set_alias(CHALLENGER, version)
+        if decision.promote:
+            _make_champion(registry, version, champion)
+        registry.set_tags(version, _stamp(decision.decision, decision.reason, GATE))
+        registry.set_description(version, model_card(params, registry.get(version), champion, decision, run))
+    return _write_report(params, registry, registry.get(version), compared=champion)
+
+
+def promote(params: Params, version: int | str, reason: str, user: str | None = None) -> dict:
+    """Move `champion` to `version` by hand (the data-hash and metric gates do not apply); idempotent."""
+    _require_reason(reason)
+    registry = Registry(params)
+    target = registry.get(version)
+    champion = registry.by_alias(CHAMPION)
+    if champion is not None and champion.version == target.version:
+        return _write_report(params, registry, target, compared=None, decision="unchanged",
+                             reason=f"v{target.version} is already the champion; nothing changed")
+    _make_champion(registry, target.version, champion)
+    registry.set_tags(target.version, _stamp("promoted", reason, _user(user)))
+    return _write_report(params, registry, registry.get(target.version), compared=champion)
+
+
+def rollback(params: Params, reason: str, user: str | None = None) -> dict:
+    """Restore the champion that the current one replaced (its `previous_champion` tag)."""
+    _require_reason(reason)
+    registry = Registry(params)
+    champion = registry.by_alias(CHAMPION)
+    if champion is None:
+        raise ValueError(f"{params.registry.model_name} has no champion to roll back")
+    previous = champion.tags.get("previous_champion")
+    if not previous:
+        raise ValueError(f"champion v{champion.version} records no previous champion to roll back to")
+    who = _user(user)
+    registry.set_alias(CHAMPION, int(previous))
+    registry.set_tags(champion.version, _stamp("rolled_back", reason, who))
+    registry.set_tags(int(previous), _stamp("restored", f"rollback of v{champion.version}: {reason}", who))
+    return _write_report(params, registry, registry.get(previous), compared=champion)
+
+
+def review(params: Params) -> str:
+    """A side-by-side text table of the champion and the challenger (or, without a challenger, the champion
+    the current one replaced): metrics with differences, hashes, dates and decision tags."""
+    cfg = params.registry
+    registry = Registry(params)
+    champion, challenger = registry.by_alias(CHAMPION), registry.by_alias(CHALLENGER)
+    other_title = CHALLENGER
+    if challenger is None and champion is not None and champion.tags.get("previous_champion"):
+        challenger, other_title = registry.get(champion.tags["previous_champion"]), "previous champion"
+    if champion is None and challenger is None:
+        return f"{cfg.model_name}: no champion and no challenger registered yet"
+    columns = [(CHAMPION, champion), (other_title, challenger)]
+    base = champion.metrics if champion else {}
+
+    def metric_cell(info: ModelVersionInfo | None, name: str) -> str:
+        if info is None or name not in info.metrics:
+            return "-"
+        value = info.metrics[name]
+        if info is champion or name not in base:
+            return f"{value:.4f}"
+        return f"{value:.4f} ({value - base[name]:+.4f})"
+
+    names = _ordered({n for _, info in columns if info for n in info.metrics}, cfg)
+    rows: list[tuple[str, list[str]]] = [("", [f"{title} v{info.version}" if info else f"{title}: none"
+                                               for title, info in columns])]
+    rows += [("created", [_cell(info, lambda i: i.created_at) for _, info in columns])]
+    rows += [(_mark(n, cfg), [metric_cell(info, n) for _, info in columns]) for n in names]
+    for label, key, n in (("params hash", "params_hash", 12), ("data hash", "data_hash", 12),
+                          ("model sha256", "model_sha256", 12), ("decision", "decision", 40),
+                          ("decided by", "decided_by", 40), ("decided at", "decided_at", 40),
+                          ("previous champion", "previous_champion", 40)):
+        rows.append((label, [_cell(info, lambda i, k=key, n=n: _short(i.tags.get(k), n)) for _, info in columns]))
+    rows.append(("run", [_cell(info, lambda i: _short(i.run_id, 12)) for _, info in columns]))
+    width = max(len(label) for label, _ in rows) + 2
+    cell_w = max(len(c) for _, cells in rows for c in cells) + 2
+    lines = [f"{cfg.model_name}"]
+    lines += [label.ljust(width) + "".join(c.ljust(cell_w) for c in cells).rstrip() for label, cells in rows]
+    lines.append(f"* primary metric: must improve by > 0 and >= {cfg.min_improvement:g}; "
+                 f"+ guarded: may fall by at most {cfg.tolerance:g}")
+    for title, info in columns:
+        if info is not None and info.tags.get("reason"):
+            lines.append(f"{title} v{info.version} reason: {info.tags['reason']}")
+    return "\n".join(lines)
+
+
+def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersionInfo | None, decision: Decision,
+               run: PipelineRun) -> str:
+    """The version's description (Markdown): metrics beside the champion's, data version, key params, links."""
+    cfg = params.registry
+    summary = run_summary(run.run_id, params)
+    metrics, champ = version.metrics, champion.metrics if champion else {}
+    vs = f"champion v{champion.version}" if champion else "champion (none)"
+    lines = [f"# {version.name} v{version.version}", "",
+             f"**Decision:** {decision.decision} ({GATE}): {decision.reason}", "",
+             f"| metric | v{version.version} | {vs} | change |", "|---|---:|---:|---:|"]
+    for name in _ordered(metrics.keys() | champ.keys(), cfg):
+        mine, theirs = metrics.get(name), champ.get(name)
+        change = f"{mine - theirs:+.4f}" if mine is not None and theirs is not None else ""
+        lines.append(f"| {_mark(name, cfg)} | {_num(mine)} | {_num(theirs)} | {change} |")
+    champion_hash = champion.tags.get("data_hash") if champion else None
+    same = "" if champion is None else (" (same as the champion's)" if champion_hash == version.tags.get("data_hash")
+                                        else f" (champion: `{champion_hash}`)")
+    flat = flatten(params)
+    lines += ["", "## Data",
+              f"{params.data.dataset} at `{params.data.root}`, evaluated on split `{params.eval.split}`; "
+              f"manifest `{params.data.manifest}` md5 `{version.tags.get('data_hash')}`{same}.",
+              "", "## Key params", *(f"- `{k}`: {flat[k]}" for k in KEY_PARAMS if k in flat),
+              f"- params hash: `{version.tags.get('params_hash')}`",
+              f"- git commit: `{summary['tags'].get('git_commit', 'unknown')}`",
+              "", "## Links", f"- run: `runs:/{run.run_id}` (experiment {summary['experiment_id']})",
+              f"- model: `{version.source}` (model.pt sha256 `{version.tags.get('model_sha256')}`)"]
+    grid = "plots/retrieval_grid.png"
+    lines.append(f"- retrieval grid: {summary['artifact_uri']}/{grid}" if grid in summary["artifacts"]
+                 else "- retrieval grid: not logged for this run")
+    return "\n".join(lines) + "\n"
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------
+def _make_champion(registry: Registry, version: int, champion: ModelVersionInfo | None) -> None:
+    if champion is not None and champion.version != version:
+        registry.set_tags(version, {"previous_champion": champion.version})
+    registry.set_alias(CHAMPION, version)
+    challenger = registry.by_alias(CHALLENGER)
+    if challenger is not None and challenger.version == version:  # it is no longer a challenger
+        registry.remove_alias(CHALLENGER)
+
+
+def _write_report(params: Params, registry: Registry, info: ModelVersionInfo, compared: ModelVersionInfo | None,
+                  already_registered: bool = False, decision: str | None = None,
+                  reason: str | None = None) -> dict[str, Any]:
+    champion = registry.by_alias(CHAMPION)
+    report = {
+        "model_name": info.name,
+        "version": info.version,
+        "alias": ",".join(info.aliases) or None,
+        "decision": decision or info.tags.get("decision"),
+        "reason": reason or info.tags.get("reason"),
+        "decided_by": info.tags.get("decided_by"),
+        "decided_at": info.tags.get("decided_at"),
+        "metrics": info.metrics,
+        "champion_version": champion.version if champion else None,
+        "compared_with": {"version": compared.version, "metrics": compared.metrics} if compared else None,
+        "previous_champion": int(info.tags["previous_champion"]) if info.tags.get("previous_champion") else None,
+        "data_hash": info.tags.get("data_hash"),
+        "params_hash": info.tags.get("params_hash"),
+        "model_sha256": info.tags.get("model_sha256"),
+        "run_id": info.run_id,
+        "already_registered": already_registered,
+    }
+    write_json(params.registry.report, report)
+    return report
+
+
+def _stamp(decision: str, reason: str, who: str) -> dict[str, str]:
+    return {"decision": decision, "reason": reason, "decided_by": who,
+            "decided_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def _user(user: str | None) -> str:
+    if user:
+        return user
+    try:
+        return os.environ.get("USER") or getpass.getuser()
+    except (KeyError, OSError):  # no $USER and no passwd entry (some containers)
+        return "unknown"
+
+
+def _require_reason(reason: str) -> None:
+    if not reason or not reason.strip():
+        raise ValueError("a reason is required: it is recorded with the decision")
+
+
+def _ordered(names: Iterable[str], cfg: RegistryConfig) -> list[str]:
+    """Primary metric first, then the guarded ones, then the rest in natural order (recall@2 before @10)."""
+    names = set(names)
+    head = [n for n in (cfg.primary_metric, *cfg.guarded_metrics) if n in names]
+    natural = sorted(names - set(head), key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)])
+    return list(dict.fromkeys(head)) + natural
+
+
+def _mark(name: str, cfg: RegistryConfig) -> str:
+    return name + (" *" if name == cfg.primary_metric else " +" if name in cfg.guarded_metrics else "")
+
+
+def _cell(info: ModelVersionInfo | None, get) -> str:
+    return "-" if info is None else (get(info) or "-")
+
+
+def _short(value: Any, n: int = 12) -> str:
+    return "-" if value in (None, "") else str(value)[:n]
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"

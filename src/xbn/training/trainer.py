@@ -1,0 +1,282 @@
+"""The training loop (seed 000's recipe): a pre-warm-up of the new head with the backbone frozen, then the whole
+network with AdamW and a step schedule; the loss is taken against the drift-corrected memory.
+
+Every epoch ends with a validation score on the class-disjoint `val` split (never the test split), the best
+model in `models/model.pt` and a resumable checkpoint in `models/last.pt`, both written atomically. Randomness is
+re-seeded from (seed, epoch) at the start of every epoch, so a run resumed from an epoch boundary continues
+exactly as the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from xbn.config import Params
+from xbn.data import ClassBalancedBatchSampler, ImageDataset, build_transform, encode_labels, read_manifest
+from xbn.evaluation.embed import autocast, evaluate_split
+from xbn.memory import Criterion, build_criterion
+from xbn.models import build_embedder, save_embedder
+from xbn.training.diagnostics import FeatureDrift
+from xbn.utils.io import save_torch, write_json, write_text
+
+log = logging.getLogger(__name__)
+
+EpochCallback = Callable[[int, dict], None]
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN/inf: training stops, the last good checkpoint is kept."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"train.device={name} but CUDA is not available on this machine")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class History:
+    """What the run has logged so far; stored in the resumable checkpoint."""
+
+    steps: list[dict] = field(default_factory=list)
+    epochs: list[dict] = field(default_factory=list)
+    best_score: float = -math.inf
+    best_epoch: int = -1
+
+
+class Trainer:
+    def __init__(self, params: Params, progress: bool = True, on_epoch: EpochCallback | None = None):
+        self.params, self.progress, self.on_epoch = params, progress, on_epoch
+        p = params
+        self.device = resolve_device(p.train.device)
+        self.amp = p.train.amp and self.device.type == "cuda"
+        self.channels_last = p.train.channels_last and self.device.type == "cuda"
+        self.checkpoint_dir = Path(p.train.checkpoint_dir)
+        self.metrics_dir = Path(p.train.metrics_dir)
+
+        seed_everything(p.train.seed)
+        self.manifest = read_manifest(p.data.manifest)
+        train_frame = self.manifest[self.manifest["split"] == "train"]
+        if train_frame.empty:
+            raise ValueError(f"{p.data.manifest} has no 'train' rows")
+        codes = dict(zip(self.manifest["label"], encode_labels(self.manifest["label"])))
+        train_labels = train_frame["label"].map(codes).to_numpy()
+
+        self.model, self.data_config = build_embedder(p.model)
+        self.model.to(self.device)
+        if self.channels_last:
+            self.model.to(memory_format=torch.channels_last)
+        mean, std = self.data_config["mean"], self.data_config["std"]
+        self.eval_transform = build_transform(p.data.image_size, training=False, mean=mean, std=std)
+        train_set = ImageDataset(train_frame, p.data.root, train_labels,
+                                 build_transform(p.data.image_size, training=True, mean=mean, std=std))
+        self.sampler = ClassBalancedBatchSampler(train_labels, p.train.batch_size, p.train.samples_per_class,
+                                                 seed=p.train.seed)
+        self.loader_generator = torch.Generator()
+        self.loader = DataLoader(train_set, batch_sampler=self.sampler, num_workers=p.data.num_workers,
+                                 pin_memory=self.device.type == "cuda", generator=self.loader_generator,
+                                 persistent_workers=False)
+        probe_set = ImageDataset(train_frame, p.data.root, train_labels, self.eval_transform)
+        probe_idx = np.linspace(0, len(probe_set) - 1, min(p.train.probe_size, len(probe_set))).astype(int)
+        self.probe = torch.stack([probe_set[int(i)][0] for i in probe_idx])
+        self.drift = FeatureDrift()
+
+        self.criterion: Criterion = build_criterion(p, len(train_set)).to(self.device)
+        self.has_val = (self.manifest["split"] == "val").any()
+        self.history = History()
+        self.epoch = 0  # epochs completed
+        self.iteration = 0
+        self.optimizer, self.scheduler = self._optimizer_for(0)
+
+    # -- phases ---------------------------------------------------------------------------------------------
+    def _in_warmup(self, epoch: int) -> bool:
+        return epoch < self.params.train.warmup_epochs
+
+    def _optimizer_for(self, epoch: int):
+        t = self.params.train
+        if self._in_warmup(epoch):
+            self.model.set_backbone_trainable(False)
+            return torch.optim.SGD(self.model.head_parameters(), lr=t.warmup_lr, momentum=0.9), None
+        self.model.set_backbone_trainable(True)
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, t.lr_step_epochs, t.lr_gamma)
+
+    @property
+    def total_epochs(self) -> int:
+        return self.params.train.warmup_epochs + self.params.train.epochs
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    def _state(self) -> dict:
+        return {
+            "format": "xbn-train-state/1",
+            "epoch": self.epoch,
+            "iteration": self.iteration,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            "criterion": self.criterion.state_dict(),
+            "drift": self.drift.state_dict(),
+            "history": {"steps": self.history.steps, "epochs": self.history.epochs,
+                        "best_score": self.history.best_score, "best_epoch": self.history.best_epoch},
+        }
+
+    def resume(self, path: str | Path | None = None) -> bool:
+        """Load `models/last.pt` if it exists; returns whether training resumed."""
+        path = Path(path or self.checkpoint_dir / "last.pt")
+        if not path.exists():
+            log.warning("no checkpoint at %s: starting from scratch", path)
+            return False
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        if state.get("format") != "xbn-train-state/1":
+            raise ValueError(f"{path} is not an xbn training checkpoint")
+        self.epoch, self.iteration = int(state["epoch"]), int(state["iteration"])
+        self.model.load_state_dict(state["model"])
+        self.optimizer, self.scheduler = self._optimizer_for(self.epoch)
+        # Crossing from warm-up into the main phase starts a fresh optimizer; otherwise restore its state.
+        if self._in_warmup(self.epoch) == self._in_warmup(self.epoch - 1):
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.scheduler and state["scheduler"]:
+                self.scheduler.load_state_dict(state["scheduler"])
+        self.criterion.load_state_dict(state["criterion"])
+        self.drift.load_state_dict(state["drift"])
+        h = state["history"]
+        self.history = History(h["steps"], h["epochs"], float(h["best_score"]), int(h["best_epoch"]))
+        log.info("resumed from %s at epoch %d (iteration %d)", path, self.epoch, self.iteration)
+        return True
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    def validate(self) -> dict:
+        if not self.has_val:
+            return {}
+        p = self.params
+        metrics = evaluate_split(
+            self.model, self.manifest, p.data.root, "val", image_size=p.data.image_size,
+            mean=self.data_config["mean"], std=self.data_config["std"], ks=(1, 2, 4, 8),
+            batch_size=p.eval.batch_size, num_workers=p.data.num_workers, device=self.device, amp=self.amp,
+            channels_last=self.channels_last, nmi=False)
+        return {f"val_{k}": float(v) for k, v in metrics.items() if k in ("recall@1", "recall@2", "recall@4", "map@r")}
+
+    def fit(self) -> dict:
+        start = time.perf_counter()
+        if self.epoch == 0 and not self.history.epochs:
+            initial = self.validate()
+            self.history.epochs.append({"epoch": 0, "loss": float("nan"), **initial})
+        while self.epoch < self.total_epochs:
+            if self._in_warmup(self.epoch) != self._in_warmup(self.epoch - 1) and self.epoch > 0:
+                self.optimizer, self.scheduler = self._optimizer_for(self.epoch)
+            loss = self._train_epoch()
+            self.epoch += 1
+            if self.scheduler:
+                self.scheduler.step()
+            row = {"epoch": self.epoch, "loss": loss, **self.validate()}
+            self.history.epochs.append(row)
+            score = row.get("val_recall@1", self.epoch)  # no val split: the last epoch is kept
+            if score > self.history.best_score:
+                self.history.best_score, self.history.best_epoch = score, self.epoch
+                save_embedder(self.checkpoint_dir / "model.pt", self.model, self.params.model, self.data_config,
+                              {"epoch": self.epoch, "metrics": row})
+            save_torch(self.checkpoint_dir / "last.pt", self._state())
+            self._write_metrics(time.perf_counter() - start)
+            if self.on_epoch:
+                self.on_epoch(self.epoch, row)
+        if not (self.checkpoint_dir / "model.pt").exists():  # zero epochs: the untrained model is the model
+            save_embedder(self.checkpoint_dir / "model.pt", self.model, self.params.model, self.data_config,
+                          {"epoch": 0, "metrics": self.history.epochs[-1] if self.history.epochs else {}})
+            self._write_metrics(time.perf_counter() - start)
+        return self.summary()
+
+    def _train_epoch(self) -> float:
+        p = self.params.train
+        epoch_seed = p.seed * 100_003 + self.epoch
+        seed_everything(epoch_seed)
+        self.loader_generator.manual_seed(epoch_seed)
+        self.sampler.set_epoch(self.epoch)
+        self.model.train()
+        losses = []
+        bar = tqdm(self.loader, desc=f"epoch {self.epoch + 1}/{self.total_epochs}", leave=False,
+                   disable=not self.progress, mininterval=2)
+        for images, labels, _ in bar:
+            images = images.to(self.device, non_blocking=True)
+            if self.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            labels = labels.to(self.device, non_blocking=True)
+            with autocast(self.device, self.amp):
+                embeddings = self.model(images)
+            loss = self.criterion(embeddings, labels)
+            if not torch.isfinite(loss):
+                raise NonFiniteLossError(
+                    f"loss is {loss.item()} at epoch {self.epoch + 1}, iteration {self.iteration + 1} "
+                    f"(embeddings finite: {bool(torch.isfinite(embeddings).all())}); the last good checkpoint "
+                    f"is {self.checkpoint_dir / 'last.pt'}")
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.iteration += 1
+            losses.append(loss.item())
+            if self.iteration % p.log_every == 0:
+                self._log_step(losses[-1])
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        return float(np.mean(losses)) if losses else float("nan")
+
+    def _log_step(self, loss: float) -> None:
+        with autocast(self.device, self.amp):
+            drift = self.drift.update(self.model, self.probe.to(self.device), self.iteration)
+        row = {"iteration": self.iteration, "epoch": self.epoch + 1, "loss": loss,
+               "lr": self.optimizer.param_groups[0]["lr"], **drift, **self.criterion.diagnostics()}
+        self.history.steps.append(row)
+
+    # -- outputs --------------------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        epochs = self.history.epochs
+        best = next((e for e in epochs if e["epoch"] == self.history.best_epoch), {})
+        return {
+            "method": self.params.memory.method,
+            "epochs": self.epoch,
+            "iterations": self.iteration,
+            "best_epoch": self.history.best_epoch,
+            "best_val_recall@1": best.get("val_recall@1"),
+            "untrained_val_recall@1": epochs[0].get("val_recall@1") if epochs else None,
+            "final_loss": epochs[-1]["loss"] if epochs else None,
+            "memory_rows": self.criterion.memory.memory_size if self.criterion.memory is not None else 0,
+        }
+
+    def _write_metrics(self, seconds: float) -> None:
+        write_json(self.metrics_dir / "train.json", {**self.summary(), "train_seconds": round(seconds, 1)})
+        write_csv(self.metrics_dir / "train_steps.csv", self.history.steps)
+        write_csv(self.metrics_dir / "train_epochs.csv", self.history.epochs)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    lines = [",".join(columns)]
+    lines += [",".join("" if row.get(c) is None else f"{row[c]:.6g}" if isinstance(row.get(c), float)
+                       else str(row[c]) for c in columns) for row in rows]
+    write_text(path, "\n".join(lines) + "\n")
+
+
+def train(params: Params, resume: bool = False, progress: bool = True,
+          on_epoch: EpochCallback | None = None) -> dict:
+    trainer = Trainer(params, progress=progress, on_epoch=on_epoch)
+    if resume:
+        trainer.resume()
+    return trainer.fit()
