@@ -149,12 +149,12 @@ def test_deepfashion2_items_boxes_and_splits(tmp_path):
     assert (
         rows
         == [  # style-0 items skipped; train keeps both sources; validation user -> query, shop -> gallery
-            ("train/image/000001.jpg", "1_1_1", "train", 2, 3, 20, 18),
-            ("train/image/000002.jpg", "1_1_1", "train", 0, 0, 30, 20),
-            ("validation/image/000001.jpg", "5_7_2", "query", 4, 4, 16, 12),
-            ("validation/image/000001.jpg", "5_1_1", "query", 1, 1, 9, 9),
-            ("validation/image/000002.jpg", "5_7_2", "gallery", 0, 2, 24, 20),
-            ("validation/image/000003.jpg", "5_1_1", "gallery", 3, 3, 13, 13),
+            ("train/image/000001.jpg", "train/1_1_1", "train", 2, 3, 20, 18),
+            ("train/image/000002.jpg", "train/1_1_1", "train", 0, 0, 30, 20),
+            ("validation/image/000001.jpg", "validation/5_7_2", "query", 4, 4, 16, 12),
+            ("validation/image/000001.jpg", "validation/5_1_1", "query", 1, 1, 9, 9),
+            ("validation/image/000002.jpg", "validation/5_7_2", "gallery", 0, 2, 24, 20),
+            ("validation/image/000003.jpg", "validation/5_1_1", "gallery", 3, 3, 13, 13),
         ]
     )
     assert str(df["x1"].dtype) == "Int64" and _images_exist(df, tmp_path)

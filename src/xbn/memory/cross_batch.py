@@ -40,7 +40,7 @@ class AdaptiveCrossBatchMemory(CrossBatchMemory):
         self.refresh_interval = refresh_interval
         self.register_buffer("row_sum", torch.zeros(embedding_size, dtype=torch.float64))
         self.register_buffer("row_sq_sum", torch.zeros(embedding_size, dtype=torch.float64))
-        self.adaptation_steps = 0
+        self.adaptation_steps = 0  # memory updates seen with stored rows (drives the sums' refresh)
         self.last_diagnostics: dict[str, float] = {}
 
     # -- state that PML keeps outside state_dict -------------------------------------------------------------
@@ -79,8 +79,15 @@ class AdaptiveCrossBatchMemory(CrossBatchMemory):
     def add_to_memory(self, embeddings, labels, batch_size):
         embeddings = embeddings.detach()
         self._move_sums(embeddings.device)
-        if self.moments is not None and self.num_valid > 0:
-            self._adapt(embeddings)
+        if self.num_valid > 0:
+            if self.adaptation_steps % self.refresh_interval == 0:
+                self.refresh_sums()
+            if self.moments is not None:
+                self._adapt(embeddings)
+            else:  # xbm: rows stay as written; the moments are still worth watching
+                mean, std = self.memory_moments()
+                self.last_diagnostics = {"memory_mean": float(mean.mean()), "memory_std": float(std.mean())}
+            self.adaptation_steps += 1
         self._account_dequeued(batch_size)
         super().add_to_memory(embeddings, labels, batch_size)
         new_rows = embeddings.double()
@@ -107,8 +114,6 @@ class AdaptiveCrossBatchMemory(CrossBatchMemory):
     @torch.no_grad()
     def _adapt(self, batch: torch.Tensor) -> None:
         n = self.num_valid
-        if self.adaptation_steps % self.refresh_interval == 0:
-            self.refresh_sums()
         memory_mean, memory_std = self.memory_moments()
         batch64 = batch.double()
         batch_mean = batch64.mean(0)
@@ -126,7 +131,6 @@ class AdaptiveCrossBatchMemory(CrossBatchMemory):
         new_sq = scale * scale * self.row_sq_sum + 2 * scale * shift * self.row_sum + n * shift * shift
         self.row_sum.mul_(scale).add_(n * shift)
         self.row_sq_sum.copy_(new_sq)
-        self.adaptation_steps += 1
         self.last_diagnostics = {
             **self.moments.diagnostics(),
             "memory_mean": float(memory_mean.mean()),

@@ -10,7 +10,7 @@ from xbn.config import Params
 from xbn.data import read_manifest
 from xbn.evaluation.embed import evaluate_split
 from xbn.models import build_embedder, load_embedder
-from xbn.training.trainer import resolve_device, seed_everything
+from xbn.training.trainer import resolve_device, seed_everything, write_csv
 from xbn.utils.io import write_json
 
 log = logging.getLogger(__name__)
@@ -43,5 +43,7 @@ def evaluate(params: Params) -> dict:
         untrained, _ = build_embedder(params.model)
         metrics["untrained"] = {k: v for k, v in score(untrained.to(device)).items() if "@" in k or k == "nmi"}
     write_json(params.eval.output, metrics)
+    write_csv(Path(params.eval.output).with_name("recall_at_k.csv"),
+              [{"k": k, "recall": metrics[f"recall@{k}"]} for k in params.eval.k])
     log.info("R@1 %.4f  MAP@R %.4f -> %s", metrics["recall@1"], metrics["map@r"], params.eval.output)
     return metrics

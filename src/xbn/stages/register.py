@@ -5,9 +5,9 @@
 - the first model becomes champion;
 - metrics are comparable only on the same evaluation data: when the data hash differs from the champion's the
   version is `held` (never promoted automatically) and the reason says so;
-- otherwise it is `promoted` only if `registry.primary_metric` improves on the champion's by more than zero and
-  by at least `registry.min_improvement`, and no metric in `registry.guarded_metrics` falls by more than
-  `registry.tolerance`; else `rejected`, naming each failed condition.
+- otherwise it is `promoted` only if `registry.primary_metric` improves on the champion's by more than zero
+  and by at least `registry.min_improvement`, and no metric in `registry.guarded_metrics` falls by more
+  than `registry.tolerance`; else `rejected`, naming each failed condition.
 A version that becomes champion loses the `challenger` alias and records the champion it replaced as tag
 `previous_champion`, which `rollback` restores. Every decision is written as version tags (`decision`,
 `reason`, `decided_by`, `decided_at`) and to `registry.report`. All MLflow access goes through `xbn.tracking`.
@@ -66,25 +66,25 @@ def gate(challenger: Mapping[str, float], champion: ModelVersionInfo | None, cha
     champion_hash = champion.tags.get("data_hash")
     if not challenger_data_hash or champion_hash != challenger_data_hash:
         return Decision(False, "held", (
-            f"evaluated on other data than champion v{champion.version} (data hash {_short(challenger_data_hash)} "
-            f"vs {_short(champion_hash)}): the metrics are not comparable, so it is not promoted automatically; "
-            f"review it and run `xbn registry promote` to promote it by hand"))
+            f"evaluated on other data than champion v{champion.version} (data hash "
+            f"{_short(challenger_data_hash)} vs {_short(champion_hash)}): the metrics are not comparable, so "
+            f"it is not promoted automatically; review it and promote it by hand (`xbn registry promote`)"))
     primary = cfg.primary_metric
     if primary not in champ:
         return Decision(False, "held", f"champion v{champion.version} has no '{primary}' tag to compare with")
     failures = []
     delta = challenger[primary] - champ[primary]
     if not (delta > _EPS and delta >= cfg.min_improvement - _EPS):
-        failures.append(f"{primary} {challenger[primary]:.4f} vs champion v{champion.version} {champ[primary]:.4f} "
-                        f"({delta:+.4f}) does not beat it by more than 0 and at least {cfg.min_improvement:g}")
+        failures.append(f"{primary} {challenger[primary]:.4f} vs champion v{champion.version} "
+                        f"{champ[primary]:.4f} ({delta:+.4f}): needs {_required(cfg)}")
     for name in cfg.guarded_metrics:
         if name not in champ:
             continue  # nothing to guard against
         if name not in challenger:
             failures.append(f"{name} was not measured (champion has {champ[name]:.4f})")
         elif champ[name] - challenger[name] > cfg.tolerance + _EPS:
-            failures.append(f"{name} fell by {champ[name] - challenger[name]:.4f} "
-                            f"({champ[name]:.4f} -> {challenger[name]:.4f}), more than the tolerance {cfg.tolerance:g}")
+            failures.append(f"{name} fell by {champ[name] - challenger[name]:.4f} ({champ[name]:.4f} -> "
+                            f"{challenger[name]:.4f}), more than the tolerance {cfg.tolerance:g}")
     if failures:
         return Decision(False, "rejected", "; ".join(failures))
     return Decision(True, "promoted", (
@@ -118,13 +118,13 @@ def register(params: Params) -> dict:
     decision = gate(metrics, champion, data, cfg)
     with pipeline_run(params, "register") as run:
         model_uri = log_model(params, run, checkpoint)
+        # The decision goes in with the version, so no version is ever seen without one.
         tags = {"data_hash": data or "unknown", "params_hash": params_hash(params), "model_sha256": sha,
-                **metric_tags(metrics)}
+                **metric_tags(metrics), **_stamp(decision.decision, decision.reason, GATE)}
         version = registry.create(model_uri, tags).version
         registry.set_alias(CHALLENGER, version)
         if decision.promote:
             _make_champion(registry, version, champion)
-        registry.set_tags(version, _stamp(decision.decision, decision.reason, GATE))
         registry.set_description(version, model_card(params, registry.get(version), champion, decision, run))
     return _write_report(params, registry, registry.get(version), compared=champion)
 
@@ -191,23 +191,25 @@ def review(params: Params) -> str:
                           ("model sha256", "model_sha256", 12), ("decision", "decision", 40),
                           ("decided by", "decided_by", 40), ("decided at", "decided_at", 40),
                           ("previous champion", "previous_champion", 40)):
-        rows.append((label, [_cell(info, lambda i, k=key, n=n: _short(i.tags.get(k), n)) for _, info in columns]))
+        cells = [_cell(info, lambda i, k=key, n=n: _short(i.tags.get(k), n)) for _, info in columns]
+        rows.append((label, cells))
     rows.append(("run", [_cell(info, lambda i: _short(i.run_id, 12)) for _, info in columns]))
     width = max(len(label) for label, _ in rows) + 2
     cell_w = max(len(c) for _, cells in rows for c in cells) + 2
     lines = [f"{cfg.model_name}"]
     lines += [label.ljust(width) + "".join(c.ljust(cell_w) for c in cells).rstrip() for label, cells in rows]
-    lines.append(f"* primary metric: must improve by > 0 and >= {cfg.min_improvement:g}; "
-                 f"+ guarded: may fall by at most {cfg.tolerance:g}")
+    lines.append(f"* primary metric, needs {_required(cfg)} over the champion; "
+                 f"+ guarded, may fall by at most {cfg.tolerance:g}")
     for title, info in columns:
         if info is not None and info.tags.get("reason"):
             lines.append(f"{title} v{info.version} reason: {info.tags['reason']}")
     return "\n".join(lines)
 
 
-def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersionInfo | None, decision: Decision,
-               run: PipelineRun) -> str:
-    """The version's description (Markdown): metrics beside the champion's, data version, key params, links."""
+def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersionInfo | None,
+               decision: Decision, run: PipelineRun) -> str:
+    """The version's description (Markdown): metrics beside the champion's, data version, key params,
+    links to the run, the model and the retrieval grid."""
     cfg = params.registry
     summary = run_summary(run.run_id, params)
     metrics, champ = version.metrics, champion.metrics if champion else {}
@@ -220,8 +222,12 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
         change = f"{mine - theirs:+.4f}" if mine is not None and theirs is not None else ""
         lines.append(f"| {_mark(name, cfg)} | {_num(mine)} | {_num(theirs)} | {change} |")
     champion_hash = champion.tags.get("data_hash") if champion else None
-    same = "" if champion is None else (" (same as the champion's)" if champion_hash == version.tags.get("data_hash")
-                                        else f" (champion: `{champion_hash}`)")
+    if champion is None:
+        same = ""
+    elif champion_hash == version.tags.get("data_hash"):
+        same = " (same as the champion's)"
+    else:
+        same = f" (champion: `{champion_hash}`)"
     flat = flatten(params)
     lines += ["", "## Data",
               f"{params.data.dataset} at `{params.data.root}`, evaluated on split `{params.eval.split}`; "
@@ -231,13 +237,16 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
               f"- git commit: `{summary['tags'].get('git_commit', 'unknown')}`",
               "", "## Links", f"- run: `runs:/{run.run_id}` (experiment {summary['experiment_id']})",
               f"- model: `{version.source}` (model.pt sha256 `{version.tags.get('model_sha256')}`)"]
+    if run.tracking_uri.startswith(("http://", "https://")):
+        lines.append(f"- run in the UI: {run.tracking_uri.rstrip('/')}/#/experiments/{run.experiment_id}"
+                     f"/runs/{run.run_id}")
     grid = "plots/retrieval_grid.png"
     lines.append(f"- retrieval grid: {summary['artifact_uri']}/{grid}" if grid in summary["artifacts"]
                  else "- retrieval grid: not logged for this run")
     return "\n".join(lines) + "\n"
 
 
-# -- helpers ---------------------------------------------------------------------------------------------------
+# -- helpers -----------------------------------------------------------------------------------------------
 def _make_champion(registry: Registry, version: int, champion: ModelVersionInfo | None) -> None:
     if champion is not None and champion.version != version:
         registry.set_tags(version, {"previous_champion": champion.version})
@@ -247,10 +256,11 @@ def _make_champion(registry: Registry, version: int, champion: ModelVersionInfo 
         registry.remove_alias(CHALLENGER)
 
 
-def _write_report(params: Params, registry: Registry, info: ModelVersionInfo, compared: ModelVersionInfo | None,
-                  already_registered: bool = False, decision: str | None = None,
-                  reason: str | None = None) -> dict[str, Any]:
+def _write_report(params: Params, registry: Registry, info: ModelVersionInfo,
+                  compared: ModelVersionInfo | None, already_registered: bool = False,
+                  decision: str | None = None, reason: str | None = None) -> dict[str, Any]:
     champion = registry.by_alias(CHAMPION)
+    previous = info.tags.get("previous_champion")
     report = {
         "model_name": info.name,
         "version": info.version,
@@ -262,7 +272,7 @@ def _write_report(params: Params, registry: Registry, info: ModelVersionInfo, co
         "metrics": info.metrics,
         "champion_version": champion.version if champion else None,
         "compared_with": {"version": compared.version, "metrics": compared.metrics} if compared else None,
-        "previous_champion": int(info.tags["previous_champion"]) if info.tags.get("previous_champion") else None,
+        "previous_champion": int(previous) if previous else None,
         "data_hash": info.tags.get("data_hash"),
         "params_hash": info.tags.get("params_hash"),
         "model_sha256": info.tags.get("model_sha256"),
@@ -271,6 +281,10 @@ def _write_report(params: Params, registry: Registry, info: ModelVersionInfo, co
     }
     write_json(params.registry.report, report)
     return report
+
+
+def _required(cfg: RegistryConfig) -> str:
+    return f"an improvement of at least +{cfg.min_improvement:g}" if cfg.min_improvement else "an improvement"
 
 
 def _stamp(decision: str, reason: str, who: str) -> dict[str, str]:
@@ -296,8 +310,10 @@ def _ordered(names: Iterable[str], cfg: RegistryConfig) -> list[str]:
     """Primary metric first, then the guarded ones, then the rest in natural order (recall@2 before @10)."""
     names = set(names)
     head = [n for n in (cfg.primary_metric, *cfg.guarded_metrics) if n in names]
-    natural = sorted(names - set(head), key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)])
-    return list(dict.fromkeys(head)) + natural
+    def natural(name: str) -> list:
+        return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+    return list(dict.fromkeys(head)) + sorted(names - set(head), key=natural)
 
 
 def _mark(name: str, cfg: RegistryConfig) -> str:

@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 
 EpochCallback = Callable[[int, dict], None]
 
+# Fixed columns so the DVC plots find them whatever the memory method (empty where it does not apply).
+STEP_COLUMNS = ["iteration", "epoch", "loss", "lr", "drift_mean", "drift_max", "gain", "memory_mean", "memory_std",
+                "batch_mean", "batch_std", "scale"]
+
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN/inf: training stops, the last good checkpoint is kept."""
@@ -262,12 +266,12 @@ class Trainer:
 
     def _write_metrics(self, seconds: float) -> None:
         write_json(self.metrics_dir / "train.json", {**self.summary(), "train_seconds": round(seconds, 1)})
-        write_csv(self.metrics_dir / "train_steps.csv", self.history.steps)
+        write_csv(self.metrics_dir / "train_steps.csv", self.history.steps, STEP_COLUMNS)
         write_csv(self.metrics_dir / "train_epochs.csv", self.history.epochs)
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
-    columns = list(dict.fromkeys(k for row in rows for k in row))
+def write_csv(path: Path, rows: list[dict], columns: list[str] | None = None) -> None:
+    columns = columns or list(dict.fromkeys(k for row in rows for k in row))
     lines = [",".join(columns)]
     lines += [",".join("" if row.get(c) is None else f"{row[c]:.6g}" if isinstance(row.get(c), float)
                        else str(row[c]) for c in columns) for row in rows]

@@ -1,7 +1,8 @@
 """DeepFashion2 consumer-to-shop retrieval: `{train,validation}/image/NNNNNN.jpg` + `annos/NNNNNN.json`.
 
 Every item with `style > 0` becomes one row cropped to its `bounding_box`, labelled
-`{pair_id}_{category_id}_{style}` (a match is the same pair, category and style). Style 0 items are skipped:
+`{part}/{pair_id}_{category_id}_{style}` (a match is the same pair, category and style; the part prefix keeps
+train and validation classes apart, since both number their pairs independently). Style 0 items are skipped:
 they have no counterpart to match. `train/` rows go to split train (user and shop alike); in `validation/`,
 user items are queries and shop items the gallery.
 """
@@ -70,7 +71,7 @@ def read(root: Path) -> pd.DataFrame:
                 if style <= 0:
                     continue
                 paths.append(image)
-                labels.append(f"{pair_id}_{_int(item, 'category_id', where)}_{style}")
+                labels.append(f"{part}/{pair_id}_{_int(item, 'category_id', where)}_{style}")
                 splits.append(split)
                 boxes.append(_box(item, where))
     return build_manifest(paths, labels, splits, boxes)
