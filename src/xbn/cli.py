@@ -52,7 +52,7 @@ def _stage_prepare(params: Params, args) -> dict:
 def _stage_train(params: Params, args) -> dict:
     from xbn.stages.train import train
 
-    return train(params, resume=args.resume, progress=not args.quiet)
+    return train(params, resume=args.resume, progress=not args.quiet, params_file=args.params)
 
 
 def _stage_evaluate(params: Params, args) -> dict:

@@ -141,6 +141,8 @@ class ValidateConfig(Section):
 
 
 class TrackingConfig(Section):
+    # Off: stages run without MLflow (quick experiments, tuning trials that track themselves).
+    enabled: bool = True
     # MLFLOW_TRACKING_URI in the environment takes precedence (a server in production).
     uri: str = "sqlite:///mlflow.db"
     experiment: str = "xbn"

@@ -1,5 +1,32 @@
-"""Stage `train`: see `xbn.training.trainer`."""
+"""Stage `train`: the training loop (`xbn.training.trainer`), tracked as the pipeline's MLflow run."""
 
-from xbn.training.trainer import train
+from __future__ import annotations
+
+import contextlib
+
+from xbn.config import Params
+from xbn.training.trainer import EpochCallback
+from xbn.training.trainer import train as fit
+
+
+def train(params: Params, resume: bool = False, progress: bool = True, params_file: str = "params.yaml",
+          on_epoch: EpochCallback | None = None) -> dict:
+    if not params.tracking.enabled:
+        return fit(params, resume=resume, progress=progress, on_epoch=on_epoch)
+    from xbn.tracking import epoch_logger, log_training, pipeline_run
+
+    # A fresh training starts the execution's run; a resumed one continues the run it was part of.
+    with pipeline_run(params, "train", new=not resume) as run:
+        log_epoch = epoch_logger(run)
+
+        def both(epoch: int, row: dict) -> None:
+            log_epoch(epoch, row)
+            if on_epoch:
+                on_epoch(epoch, row)
+
+        summary = fit(params, resume=resume, progress=progress, on_epoch=both)
+        log_training(params, run, params_file)
+    return summary
+
 
 __all__ = ["train"]

@@ -1,0 +1,254 @@
+"""Retrieval evaluation at SOP scale: xbn vs pytorch-metric-learning's AccuracyCalculator vs scikit-learn.
+
+    python -m benchmarks.eval_bench [--sizes 10000 60000 120000] [--no-nmi]
+
+For each size N: clustered random unit vectors (d = 512, 2 to 8 images per class, 5 on average, like SOP),
+evaluated leave-one-out by each contender in its own child process (time of the computation, peak RSS of
+the process), capped at --mem-limit-gb so that a contender that needs more is recorded as out of memory.
+  ours     xbn.evaluation.retrieval_metrics (Recall@k, MAP@R, R-precision) + its NMI (faiss k-means)
+  pml      AccuracyCalculator(precision_at_1, r_precision, mean_average_precision_at_r, k="max_bin_count"),
+           then its NMI; precision_at_1 is Recall@1
+  sklearn  NearestNeighbors(algorithm="brute") + the metrics from their definitions in numpy; no NMI (a
+           scikit-learn KMeans with N/5 clusters is not practical, and would not be the same clustering)
+Metric values are compared with ours where both finished. Writes benchmarks/results/eval.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import (
+    current_rss_gb,
+    machine_info,
+    markdown_table,
+    python_module_argv,
+    run_child,
+    write_result,
+)
+
+CONTENDERS = ("ours", "pml", "sklearn")
+KS = (1, 2, 4, 8, 10, 100)
+# The seed faiss.Kmeans uses by default, hence PML's: ours uses it too so that the NMI values can be compared.
+KMEANS_SEED = 1234
+# Per-dimension noise around the class centres: Recall@1 ≈ 0.72, MAP@R ≈ 0.39 at 10k (SOP-like), lower
+NOISE = 2.4
+PACKAGES = ("numpy", "faiss-cpu", "torch", "scikit-learn", "pytorch-metric-learning")
+
+
+def make_embeddings(n: int, dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """n clustered unit vectors, classes of 2 to 8 images (the last class may be smaller)."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(2, 9, n // 2)
+    labels = np.repeat(np.arange(len(sizes)), sizes)[:n]
+    centres = rng.standard_normal((labels[-1] + 1, dim), dtype=np.float32)
+    x = rng.standard_normal((n, dim), dtype=np.float32)
+    x *= NOISE
+    x += centres[labels]
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    return x, labels
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Children: one contender, one size. Each prints nothing but writes a JSON of timings and metric values.
+
+
+def _run_ours(x: np.ndarray, labels: np.ndarray, nmi: bool) -> dict[str, Any]:
+    from xbn.evaluation import retrieval_metrics
+    from xbn.evaluation.metrics import nmi_score
+
+    start = time.perf_counter()
+    metrics = retrieval_metrics(x, labels, ks=KS, nmi=False)
+    out: dict[str, Any] = {"knn_s": time.perf_counter() - start, "metrics": metrics}
+    if nmi:
+        start = time.perf_counter()
+        metrics["nmi"] = nmi_score(x, labels, seed=KMEANS_SEED)
+        out["nmi_s"] = time.perf_counter() - start
+    return out
+
+
+def _run_pml(x: np.ndarray, labels: np.ndarray, nmi: bool) -> dict[str, Any]:
+    import torch
+    from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
+
+    cpu = torch.device("cpu")
+    include = ("precision_at_1", "r_precision", "mean_average_precision_at_r")
+    start = time.perf_counter()
+    res = AccuracyCalculator(include=include, k="max_bin_count", device=cpu).get_accuracy(x, labels)
+    out: dict[str, Any] = {"knn_s": time.perf_counter() - start}
+    metrics = {
+        "recall@1": res["precision_at_1"],
+        "map@r": res["mean_average_precision_at_r"],
+        "r_precision": res["r_precision"],
+    }
+    if nmi:
+        start = time.perf_counter()
+        metrics["nmi"] = AccuracyCalculator(include=("NMI",), device=cpu).get_accuracy(x, labels)["NMI"]
+        out["nmi_s"] = time.perf_counter() - start
+    out["metrics"] = metrics
+    return out
+
+
+def _run_sklearn(x: np.ndarray, labels: np.ndarray, nmi: bool) -> dict[str, Any]:
+    from sklearn.neighbors import NearestNeighbors
+
+    start = time.perf_counter()
+    counts = np.bincount(labels)[labels] - 1  # R: the other images of the query's class
+    k = min(max(max(KS), int(counts.max())), len(x) - 1)
+    # Euclidean ranks unit vectors like cosine, and is scikit-learn's fast (GEMM) brute-force path.
+    # kneighbors() without X leaves each point out of its own neighbours.
+    idx = NearestNeighbors(n_neighbors=k, algorithm="brute").fit(x).kneighbors(return_distance=False)
+    keep = counts > 0
+    correct = labels[idx[keep]] == labels[keep, None]
+    r = counts[keep]
+    metrics: dict[str, Any] = {f"recall@{k_}": float(correct[:, :k_].any(axis=1).mean()) for k_ in KS}
+    within_r = np.arange(k) < r[:, None]
+    precision_at_i = np.cumsum(correct, axis=1) / np.arange(1, k + 1)
+    metrics["map@r"] = float(((precision_at_i * correct * within_r).sum(axis=1) / r).mean())
+    metrics["r_precision"] = float(((correct & within_r).sum(axis=1) / r).mean())
+    return {"knn_s": time.perf_counter() - start, "metrics": metrics}
+
+
+RUNNERS = {"ours": _run_ours, "pml": _run_pml, "sklearn": _run_sklearn}
+LIBRARIES = {
+    "ours": ("xbn.evaluation", "sklearn.metrics"),  # metrics imports scikit-learn lazily, for NMI only
+    "pml": ("pytorch_metric_learning.utils.accuracy_calculator",),
+    "sklearn": ("sklearn.neighbors",),
+}
+
+
+def child_main(contender: str, data_dir: Path, result_path: Path, nmi: bool) -> None:
+    x = np.load(data_dir / "x.npy")
+    labels = np.load(data_dir / "labels.npy")
+    # Import the contender's libraries before measuring the baseline, so the baseline is what it costs to
+    # have the data and the library loaded, and the peak minus it is the computation's own memory.
+    for module in LIBRARIES[contender]:
+        importlib.import_module(module)
+    baseline = current_rss_gb()
+    out = RUNNERS[contender](x, labels, nmi)
+    out["baseline_rss_gb"] = baseline
+    result_path.write_text(json.dumps(out, default=float))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Parent: data, children, comparison, table.
+
+
+def run_size(n: int, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    x, labels = make_embeddings(n, args.dim, args.seed)
+    data_dir = work / f"n{n}"
+    data_dir.mkdir()
+    np.save(data_dir / "x.npy", x)
+    np.save(data_dir / "labels.npy", labels)
+    rows = []
+    for contender in args.contenders:
+        result_path = data_dir / f"{contender}.json"
+        argv = python_module_argv("benchmarks.eval_bench", "--child", contender, "--data", str(data_dir),
+                                  "--result", str(result_path), *(["--no-nmi"] if args.no_nmi else []))
+        print(f"N={n}: {contender} ...", file=sys.stderr, flush=True)
+        # The machine is shared: the load average says whether other work competed for the cores.
+        load_before = os.getloadavg()[0]
+        run = run_child(argv, mem_limit_gb=args.mem_limit_gb, timeout_s=args.timeout_s,
+                        log_path=data_dir / f"{contender}.log")
+        row: dict[str, Any] = {"n": n, "classes": int(labels[-1]) + 1, "contender": contender,
+                               "peak_rss_gb": run.peak_rss_gb, "wall_s": run.wall_s,
+                               "loadavg_1min_before": load_before}
+        if run.ok:
+            row |= json.loads(result_path.read_text()) | {"status": "ok"}
+            row["total_s"] = row["knn_s"] + row.get("nmi_s", 0.0)
+        elif run.out_of_memory:
+            row["status"] = f"out of memory at {args.mem_limit_gb:g} GB"
+        elif run.timed_out:
+            row["status"] = f"timed out after {args.timeout_s:g} s"
+        else:
+            row["status"] = f"failed (exit {run.returncode}): {run.log_tail[-500:]}"
+        print(f"  {row['status']}, {run.wall_s:.1f} s, peak RSS {run.peak_rss_gb:.2f} GB", file=sys.stderr)
+        rows.append(row)
+    _compare_with_ours(rows)
+    return rows
+
+
+def _compare_with_ours(rows: list[dict[str, Any]]) -> None:
+    """Add each finished contender's largest absolute metric difference with ours, over shared keys."""
+    ours = next((r["metrics"] for r in rows if r["contender"] == "ours" and "metrics" in r), None)
+    for row in rows:
+        if ours is None or row["contender"] == "ours" or "metrics" not in row:
+            continue
+        shared = sorted(set(ours) & set(row["metrics"]) - {"num_queries", "num_references"})
+        row["max_abs_diff_vs_ours"] = max(abs(ours[k] - row["metrics"][k]) for k in shared)
+        row["compared_keys"] = shared
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    headers = ["N", "contender", "status", "kNN metrics s", "NMI s", "total s", "peak RSS GB",
+               "baseline RSS GB", "R@1", "MAP@R", "RP", "NMI", "max abs diff vs ours"]
+    table = []
+    for r in rows:
+        m = r.get("metrics", {})
+        table.append([r["n"], r["contender"], r["status"], r.get("knn_s"), r.get("nmi_s"), r.get("total_s"),
+                      r["peak_rss_gb"] if r["status"] == "ok" else None, r.get("baseline_rss_gb"),
+                      m.get("recall@1"), m.get("map@r"), m.get("r_precision"), m.get("nmi"),
+                      r.get("max_abs_diff_vs_ours")])
+    lines = [markdown_table(headers, table), ""]
+    by_key = {(r["n"], r["contender"]): r for r in rows}
+    for (n, contender), r in by_key.items():
+        ours = by_key.get((n, "ours"))
+        if contender == "ours" or not ours or ours["status"] != "ok" or r["status"] != "ok":
+            continue
+        ratios = f"kNN metrics {r['knn_s'] / ours['knn_s']:.2f}x"
+        if "nmi_s" in r and "nmi_s" in ours:
+            ratios += f", total {r['total_s'] / ours['total_s']:.2f}x"
+        lines.append(f"- N={n}: {contender} / ours time: {ratios}; peak RSS {r['peak_rss_gb']:.2f} GB vs "
+                     f"{ours['peak_rss_gb']:.2f} GB")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 60_000, 120_000])
+    parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-nmi", action="store_true", help="skip NMI (k-means dominates the time)")
+    parser.add_argument("--mem-limit-gb", type=float, default=12.0)
+    parser.add_argument("--timeout-s", type=float, default=1800.0)
+    parser.add_argument("--output", default="eval", help="results name: benchmarks/results/<name>.json")
+    parser.add_argument("--child", choices=CONTENDERS, help=argparse.SUPPRESS)
+    parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child_main(args.child, args.data, args.result, nmi=not args.no_nmi)
+        return
+
+    command = "python -m benchmarks.eval_bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="eval_bench_") as tmp:
+        for n in args.sizes:
+            rows += run_size(n, args, Path(tmp))
+    report = render(rows)
+    path = write_result(args.output, {
+        "benchmark": "retrieval evaluation, leave-one-out, clustered unit vectors",
+        "command": command.strip(),
+        "machine": machine_info(PACKAGES),
+        "settings": {"dim": args.dim, "images_per_class": "2-8 (mean 5)", "noise": NOISE, "ks": KS,
+                     "seed": args.seed, "kmeans_seed": KMEANS_SEED, "nmi": not args.no_nmi,
+                     "mem_limit_gb": args.mem_limit_gb, "timeout_s": args.timeout_s},
+        "rows": rows,
+        "table": report,
+    })
+    print(report)
+    print(f"\nwritten: {path}")
+
+
+if __name__ == "__main__":
+    main()

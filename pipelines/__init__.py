@@ -1,0 +1,1 @@
+"""Prefect flows over xbn's stages (the same functions `dvc repro` runs through the CLI)."""

@@ -1,0 +1,113 @@
+"""The MLflow model registry for one registered model: versions, aliases, tags, descriptions.
+
+A thin service over `MlflowClient`: what to register and when to promote is decided by `xbn.stages.register`;
+this module only reads and writes the registry and hands back plain `ModelVersionInfo` records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import mlflow
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
+from mlflow.tracking import MlflowClient
+
+from xbn.config import Params
+from xbn.tracking.runs import configure, metric_key, metric_name
+
+METRIC_TAG_PREFIX = "metric."
+_NOT_FOUND = ErrorCode.Name(RESOURCE_DOES_NOT_EXIST)
+
+
+@dataclass(frozen=True)
+class ModelVersionInfo:
+    """One registered version: what the stage needs to decide and report, without MLflow types."""
+
+    name: str
+    version: int
+    run_id: str | None
+    created_at: str  # ISO 8601, UTC
+    source: str
+    aliases: tuple[str, ...] = ()
+    tags: dict[str, str] = field(default_factory=dict)
+    description: str = ""
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The metrics recorded as `metric.<key>` tags, under their own names (`recall@1`)."""
+        return {metric_name(k[len(METRIC_TAG_PREFIX):]): float(v) for k, v in self.tags.items()
+                if k.startswith(METRIC_TAG_PREFIX)}
+
+
+def metric_tags(metrics: Mapping[str, float]) -> dict[str, str]:
+    """`{"recall@1": 0.5}` -> `{"metric.recall_at_1": "0.5"}` (full float precision, so the gate is exact)."""
+    return {METRIC_TAG_PREFIX + metric_key(k): repr(float(v)) for k, v in metrics.items()}
+
+
+class Registry:
+    """The versions of registered model `params.registry.model_name` in the tracking store of `params`."""
+
+    def __init__(self, params: Params) -> None:
+        self.client = MlflowClient(configure(params))
+        self.name = params.registry.model_name
+
+    def by_alias(self, alias: str) -> ModelVersionInfo | None:
+        try:
+            return self._info(self.client.get_model_version_by_alias(self.name, alias))
+        except MlflowException as exc:
+            # No such model: RESOURCE_DOES_NOT_EXIST; no such alias: the SQL store's INVALID_PARAMETER_VALUE.
+            if exc.error_code in (_NOT_FOUND, "INVALID_PARAMETER_VALUE"):
+                return None
+            raise
+
+    def get(self, version: int | str) -> ModelVersionInfo:
+        try:
+            number = int(version)
+        except ValueError:
+            raise ValueError(f"a model version is a number, got {version!r}") from None
+        try:
+            return self._info(self.client.get_model_version(self.name, str(number)))
+        except MlflowException as exc:
+            if exc.error_code == _NOT_FOUND:
+                raise ValueError(f"{self.name} has no version {number}") from None
+            raise
+
+    def find_by_tag(self, key: str, value: str) -> ModelVersionInfo | None:
+        """The newest version whose tag `key` equals `value` (tag values here are hex digests: no quoting)."""
+        found = self.client.search_model_versions(
+            f"name = '{self.name}' and tags.{key} = '{value}'", max_results=1,
+            order_by=["version_number DESC"],
+        )
+        # Search results leave the aliases out: read the version itself.
+        return self.get(found[0].version) if found else None
+
+    def create(self, model_uri: str, tags: Mapping[str, str]) -> ModelVersionInfo:
+        """Register `model_uri` (a logged model) as the next version, with tags."""
+        version = mlflow.register_model(model_uri, self.name, tags=dict(tags))
+        return self.get(version.version)
+
+    def set_description(self, version: int, text: str) -> None:
+        self.client.update_model_version(self.name, str(version), description=text)
+
+    def set_alias(self, alias: str, version: int) -> None:
+        self.client.set_registered_model_alias(self.name, alias, str(version))
+
+    def remove_alias(self, alias: str) -> None:
+        if self.by_alias(alias) is not None:
+            self.client.delete_registered_model_alias(self.name, alias)
+
+    def set_tags(self, version: int, tags: Mapping[str, Any]) -> None:
+        for key, value in tags.items():
+            self.client.set_model_version_tag(self.name, str(version), key, str(value))
+
+    def _info(self, mv) -> ModelVersionInfo:
+        created = datetime.fromtimestamp(mv.creation_timestamp / 1000, tz=timezone.utc)
+        return ModelVersionInfo(
+            name=mv.name, version=int(mv.version), run_id=mv.run_id or None,
+            created_at=created.isoformat(timespec="seconds"), source=mv.source,
+            aliases=tuple(mv.aliases or ()), tags=dict(mv.tags or {}), description=mv.description or "",
+        )

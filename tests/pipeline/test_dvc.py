@@ -1,0 +1,76 @@
+"""`dvc repro` end to end on a tiny copy of the project: stages run in order, a second repro is a no-op, and
+experiments and metrics commands work."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests_support import ROOT, TINY
+
+pytestmark = pytest.mark.slow
+
+
+def run(cmd, cwd, env):
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, f"{cmd} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout + out.stderr
+
+
+def tiny_params_file(path: Path) -> None:
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for item in [*TINY, "tracking.enabled=true"]:
+        key, value = item.split("=", 1)
+        *sections, leaf = key.split(".")
+        node = params
+        for s in sections:
+            node = node[s]
+        node[leaf] = yaml.safe_load(value)
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+@pytest.fixture
+def project(tmp_path):
+    for name in ("dvc.yaml", ".dvcignore"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    shutil.copytree(ROOT / "src", tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    tiny_params_file(tmp_path / "params.yaml")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    env.pop("XBN_PARENT_RUN_ID", None)
+    run(["git", "init", "-q"], tmp_path, env)
+    run(["dvc", "init", "-q"], tmp_path, env)
+    (tmp_path / ".gitignore").write_text("mlflow.db\nmlartifacts/\nmlruns/\n")
+    run(["git", "add", "-A"], tmp_path, env)
+    run(["git", "commit", "-qm", "init"], tmp_path, env)
+    return tmp_path, env
+
+
+def test_dvc_repro_end_to_end_then_noop(project):
+    path, env = project
+    out = run(["dvc", "repro"], path, env)
+    for stage in ("generate", "prepare", "validate", "train", "evaluate", "register"):
+        assert f"Running stage '{stage}'" in out, stage
+    metrics = json.loads((path / "metrics/eval.json").read_text())
+    assert 0 <= metrics["recall@1"] <= 1 and "map@r" in metrics
+    decision = json.loads((path / "reports/registry.json").read_text())
+    assert decision["alias"] == "champion" and decision["decision"] == "promoted"  # the first model
+    assert json.loads((path / "reports/validation.json").read_text())["success"] is True
+
+    again = run(["dvc", "repro"], path, env)
+    assert "Running stage" not in again and "up to date" in again
+
+    shown = run(["dvc", "metrics", "show"], path, env)
+    assert "recall@1" in shown
+    run(["git", "add", "-A"], path, env)
+    run(["git", "commit", "-qm", "baseline"], path, env)
+    out = run(["dvc", "exp", "run", "-S", "memory.method=xbm"], path, env)
+    assert "Running stage 'train'" in out and "Running stage 'prepare'" not in out
+    diff = run(["dvc", "metrics", "diff"], path, env)
+    assert "method" in diff and "xbm" in diff  # the experiment's metrics against the committed baseline

@@ -1,0 +1,60 @@
+"""The Prefect retrain flow, for real, under prefect_test_harness on a tiny dataset."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests_support import ROOT, TINY
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def prefect_harness(tmp_path_factory):
+    import os
+
+    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect_home"))
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def test_retrain_flow_registers_then_gate_holds_back_a_challenger(prefect_harness, tmp_path, glyph_root,
+                                                                  monkeypatch):
+    from pipelines.retrain import retrain
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    overrides = [*TINY, f"data.root={glyph_root}", "tracking.enabled=true"]
+
+    first = retrain("params.yaml", overrides)
+    assert first["decision"]["decision"] == "promoted" and first["decision"]["alias"] == "champion"
+    assert 0 <= first["metrics"]["recall@1"] <= 1
+
+    # An impossible bar: the second model must stay challenger, with the reason on record.
+    second = retrain("params.yaml", [*overrides, "train.seed=1", "registry.min_improvement=1.0"])
+    assert second["decision"]["decision"] == "rejected" and second["decision"]["alias"] == "challenger"
+    report = json.loads(Path("reports/registry.json").read_text())
+    assert report["version"] == second["decision"]["version"] and "improvement" in report["reason"]
+
+
+def test_bad_data_fails_the_flow_without_retrying(prefect_harness, tmp_path, glyph_root, monkeypatch):
+    import shutil
+
+    from pipelines.retrain import retrain
+    from xbn.validation import ValidationFailed
+
+    monkeypatch.chdir(tmp_path)
+    broken = tmp_path / "glyphs"
+    shutil.copytree(glyph_root, broken)
+    victim = sorted((broken / "images").rglob("*.png"))[0]
+    victim.write_bytes(b"not a png")
+    with pytest.raises(ValidationFailed, match="image_decodes"):
+        retrain(str(ROOT / "params.yaml"), [*TINY, f"data.root={broken}"])
+    assert "image_decodes" in Path("reports/validation.md").read_text()
+    assert not Path("models/model.pt").exists()
