@@ -20,8 +20,9 @@ $(STAMP): requirements/lock.txt pyproject.toml
 	$(BIN)/python -m pip install --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*; touch $@
 
+# dvc runs each stage's `xbn` command, so the venv's bin goes first on PATH.
 run: install
-	$(BIN)/xbn run
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
 
 test: install
 	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
