@@ -19,6 +19,7 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -170,7 +171,11 @@ def run_size(n: int, args: argparse.Namespace, work: Path) -> list[dict[str, Any
         elif run.timed_out:
             row["status"] = f"timed out after {args.timeout_s:g} s"
         else:
-            row["status"] = f"failed (exit {run.returncode}): {run.log_tail[-500:]}"
+            row["status"] = f"failed (exit {run.returncode})"
+        if run.returncode == -signal.SIGKILL:
+            row["detail"] = "killed by the watchdog"
+        elif not run.ok:  # the error's last line, e.g. which allocation failed
+            row["detail"] = (run.log_tail.strip().splitlines() or [""])[-1][-300:]
         print(f"  {row['status']}, {run.wall_s:.1f} s, peak RSS {run.peak_rss_gb:.2f} GB", file=sys.stderr)
         rows.append(row)
     _compare_with_ours(rows)

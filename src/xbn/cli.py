@@ -50,6 +50,15 @@ def _stage_prepare(params: Params, args) -> dict:
 
 
 def _stage_train(params: Params, args) -> dict:
+    nproc = getattr(args, "nproc", 1)  # `xbn run` trains in one process
+    if nproc > 1:
+        from xbn.distributed import launch
+
+        # torchrun (torch.distributed.run) starts `python -m xbn.train` N times on this machine; rank 0 prints
+        # the summary, so this process only passes on the exit status.
+        forwarded = ["--params", args.params, *(f"--set={o}" for o in args.overrides),
+                     *(["--resume"] if args.resume else []), *(["--quiet"] if args.quiet else [])]
+        raise SystemExit(launch(nproc, "xbn.train", forwarded))
     from xbn.stages.train import train
 
     return train(params, resume=args.resume, progress=not args.quiet, params_file=args.params)
@@ -65,6 +74,13 @@ def _stage_run(params: Params, args) -> dict:
     args.resume = False
     return {name: fn(params, args) for name, fn in
             (("prepare", _stage_prepare), ("train", _stage_train), ("evaluate", _stage_evaluate))}
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check the manifest and images before training").set_defaults(fn=_stage_validate)
     train = sub.add_parser("train", parents=[common], help="train the embedding model")
     train.add_argument("--resume", action="store_true", help="continue from models/last.pt")
+    train.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
+                       help="data-parallel processes on this machine, launched with torchrun (one GPU "
+                            "each on CUDA); train.batch_size stays the global batch")
     train.set_defaults(fn=_stage_train)
     sub.add_parser("evaluate", parents=[common], help="retrieval metrics on the test protocol").set_defaults(
         fn=_stage_evaluate)

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DATASETS = ("glyphs", "cub", "cars196", "sop", "inshop", "deepfashion2", "folder", "csv")
-MEMORY_METHODS = ("none", "xbm", "xbn", "axbn", "ema")
+MEMORY_METHODS = ("none", "xbm", "xbn", "axbn", "ema", "axbn_auto")
 
 
 class ConfigError(ValueError):
@@ -70,6 +70,8 @@ class MemoryConfig(Section):
     add_batch_loss: bool = False
     ema_momentum: float = Field(0.1, gt=0.0, le=1.0)
     kalman: KalmanConfig = KalmanConfig()
+    # axbn_auto: how fast the innovation statistics that set the process noise are averaged.
+    innovation_momentum: float = Field(0.05, gt=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _size_is_count_or_fraction(self):
@@ -157,6 +159,97 @@ class RegistryConfig(Section):
     report: str = "reports/registry.json"
 
 
+class TuneConfig(Section):
+    """`xbn tune`: an Optuna study over any params keys, scored by validation R@1 (never the test split)."""
+
+    class Dimension(Section):
+        type: Literal["float", "int", "categorical"]
+        low: float | None = None
+        high: float | None = None
+        log: bool = False
+        step: float | None = None
+        choices: list[bool | int | float | str] | None = None
+
+    # Dotted params keys; any key of the schema can be added (a typo is refused by name).
+    space: dict[str, Dimension] = Field(default_factory=lambda: {
+        "memory.kalman.r": TuneConfig.Dimension(type="float", low=1e-4, high=10.0, log=True),
+        "memory.kalman.q": TuneConfig.Dimension(type="float", low=1e-6, high=1e-2, log=True),
+        "memory.size": TuneConfig.Dimension(type="float", low=0.05, high=1.0),
+        "memory.kalman.gain_interval": TuneConfig.Dimension(type="categorical", choices=[1, 10, 100]),
+    })
+    # The static filter's gain depends on r/q only (given p0/q): sample lambda = r/q over the range the r and
+    # q entries span, and run it as q = 1, r = lambda, p0 = p0/q (the same filter, one dimension fewer).
+    lambda_mode: bool = False
+    trials: int = Field(20, ge=1)  # finished trials of the study (complete, pruned or failed), across workers
+    timeout_s: float | None = Field(None, gt=0)  # no new trial starts after this
+    epochs: int = Field(6, ge=1)  # train.epochs of each trial (after train.warmup_epochs)
+    pruner: Literal["median", "hyperband", "none"] = "median"
+    pruner_startup_trials: int = Field(4, ge=0)  # median: trials that finish before any is pruned
+    include_current: bool = True  # the first trial runs the params as they are: the baseline to beat
+    seed: int | None = 0  # TPE seed (parallel workers add their pid: parallel runs are not reproducible)
+    # null: sqlite:///<dir>/optuna.db (one process) or journal:<dir>/optuna.journal (--workers > 1);
+    # postgresql://user@host/db lets workers on several machines join the study.
+    storage: str | None = None
+    study_name: str | None = None  # null: xbn-<dataset>-<method>-<hash of what the trials depend on>
+    heartbeat_interval: int = Field(60, ge=1)  # database storages: a worker silent for grace_period
+    grace_period: int | None = Field(None, ge=1)  # (default 2 x heartbeat) has its trial marked failed
+    dir: str = "tuning"  # trial checkpoints/metrics, study plots, summary
+    keep_checkpoints: bool = False
+    output: str = "params.tuned.yaml"
+
+    @model_validator(mode="after")
+    def _space_is_valid(self):
+        for key, dim in self.space.items():
+            if problem := self._dimension_problem(dim):
+                raise ValueError(f"tune.space.{key}: {problem}")
+        schema = globals().get("Params")  # None only for the default built while `Params` itself is defined
+        for key in self.space if schema else ():
+            if problem := self._key_problem(schema, key):
+                raise ValueError(f"tune.space: '{key}' {problem}")
+        if self.lambda_mode:
+            for key in ("memory.kalman.r", "memory.kalman.q"):
+                if key not in self.space or self.space[key].type != "float":
+                    raise ValueError(f"tune.lambda_mode needs a float tune.space entry for '{key}' "
+                                     "(lambda = r/q spans the range of the two)")
+        return self
+
+    @staticmethod
+    def _dimension_problem(dim: "TuneConfig.Dimension") -> str | None:
+        if dim.type == "categorical":
+            return None if dim.choices and dim.low is None and dim.high is None else \
+                "a categorical dimension needs non-empty 'choices' and no low/high"
+        if dim.low is None or dim.high is None or dim.low > dim.high or dim.choices is not None:
+            return f"a {dim.type} dimension needs low <= high and no 'choices'"
+        if dim.log and (dim.low <= 0 or dim.step is not None):
+            return "a log dimension needs low > 0 and no step"
+        if dim.type == "int" and not all(float(v).is_integer() for v in (dim.low, dim.high, dim.step or 1)):
+            return "an int dimension needs whole low, high and step"
+        return None
+
+    @staticmethod
+    def _key_problem(schema: type[BaseModel], key: str) -> str | None:
+        """Why a dotted key names no single value of the schema (None when it does)."""
+        model: type[BaseModel] | None = schema
+        parts = key.split(".")
+        if parts[0] == "tune":
+            return "cannot be tuned (it configures the tuning)"
+        for i, part in enumerate(parts):
+            if model is None:  # inside a free-form mapping such as loss.params: any key is fine
+                return None
+            field = model.model_fields.get(part)
+            if field is None:
+                return f"is not a params key ('{part}' is unknown)"
+            kind, last = field.annotation, i == len(parts) - 1
+            is_section = isinstance(kind, type) and issubclass(kind, BaseModel)
+            is_mapping = getattr(kind, "__origin__", None) is dict
+            if last:
+                return "is a section, not a value" if is_section or is_mapping else None
+            if not (is_section or is_mapping):
+                return f"is not a params key ('{part}' is a value)"
+            model = kind if is_section else None
+        return None
+
+
 # The `validate` stage's section shadows pydantic's deprecated `BaseModel.validate` classmethod; harmless.
 warnings.filterwarnings("ignore", message='Field name "validate"', category=UserWarning)
 
@@ -171,6 +264,7 @@ class Params(Section):
     validate: ValidateConfig = ValidateConfig()
     tracking: TrackingConfig = TrackingConfig()
     registry: RegistryConfig = RegistryConfig()
+    tune: TuneConfig = TuneConfig()
 
 
 def _format_error(err: ValidationError) -> str:

@@ -149,16 +149,19 @@ def test_label_with_a_single_image_is_left_out(clustered):
     _assert_knn_metrics_equal(with_lone, _brute_force(np.concatenate([x, lone]), np.append(labels, 1000)))
 
 
+_X5, _Y5 = np.zeros((5, 4)), np.arange(5)
+
+
 @pytest.mark.parametrize(
     ("args", "kwargs", "message"),
     [
-        ((np.zeros((5, 4)), [0, 1, 2]), {}, "query_labels has 3 entries but query_emb has 5 rows"),
-        ((np.zeros((5, 4)), np.zeros((5, 2))), {}, "query_labels must be 1-D"),
-        ((np.zeros((5, 4)), np.arange(5), np.zeros((6, 3)), np.arange(6)), {}, "dimension 3 but query_emb has 4"),
-        ((np.zeros((5, 4)), np.arange(5), np.zeros((6, 4)), np.arange(5)), {}, "reference_labels has 5 entries"),
-        ((np.zeros((5, 4)), np.arange(5), np.zeros((6, 4))), {}, "pass both reference_emb and reference_labels"),
-        ((np.zeros((5, 4)), np.arange(5)), {"ks": ()}, "ks must be a non-empty"),
-        ((np.zeros((5, 4)), np.arange(5)), {"ks": (1, 0)}, "ks must be a non-empty"),
+        ((_X5, [0, 1, 2]), {}, "query_labels has 3 entries but query_emb has 5 rows"),
+        ((_X5, np.zeros((5, 2))), {}, "query_labels must be 1-D"),
+        ((_X5, _Y5, np.zeros((6, 3)), np.arange(6)), {}, "dimension 3 but query_emb has 4"),
+        ((_X5, _Y5, np.zeros((6, 4)), _Y5), {}, "reference_labels has 5 entries but reference_emb has 6"),
+        ((_X5, _Y5, np.zeros((6, 4))), {}, "pass both reference_emb and reference_labels"),
+        ((_X5, _Y5), {"ks": ()}, "ks must be a non-empty"),
+        ((_X5, _Y5), {"ks": (1, 0)}, "ks must be a non-empty"),
     ],
 )
 def test_bad_inputs_raise_clear_errors(args, kwargs, message):

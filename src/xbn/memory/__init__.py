@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from xbn import distributed
 from xbn.config import Params
 from xbn.losses import build_loss, build_miner
 from xbn.memory.cross_batch import AdaptiveCrossBatchMemory
-from xbn.memory.moments import BatchMoments, EMAMoments, KalmanMoments
+from xbn.memory.moments import AdaptiveKalmanMoments, BatchMoments, EMAMoments, KalmanMoments
 
 __all__ = ["AdaptiveCrossBatchMemory", "Criterion", "build_criterion", "build_moments", "memory_rows"]
 
@@ -22,6 +23,8 @@ def build_moments(params: Params) -> nn.Module | None:
         return KalmanMoments(dim, p0=k.p0, q=k.q, r=k.r, gain_interval=k.gain_interval)
     if mem.method == "ema":
         return EMAMoments(dim, mem.ema_momentum)
+    if mem.method == "axbn_auto":
+        return AdaptiveKalmanMoments(dim, mem.innovation_momentum)
     return None  # xbm: the stored rows are left as they were written
 
 
@@ -37,6 +40,12 @@ class Criterion(nn.Module):
     Without a memory it is the ranking loss on the minibatch's mined pairs. With one, the batch is enqueued and
     the loss is taken against the whole memory (XBM); from `start_iteration` on only, and with the minibatch
     loss added when `add_batch_loss` (XBM*).
+
+    Under data parallelism each rank passes its slice of the global batch; the slices are gathered in rank
+    order, so the loss, the miner and the memory (hence AXBN's R = r/|B|) all see the global batch, and every
+    rank's memory holds the same rows in the same order. Each rank's gradient flows only through its own
+    rows; they are scaled by the world size so that DDP's averaging over ranks gives the single-process
+    gradient, while the returned loss keeps the single-process value (the same on every rank).
     """
 
     def __init__(self, loss: nn.Module, miner: nn.Module | None, memory: AdaptiveCrossBatchMemory | None = None,
@@ -58,6 +67,9 @@ class Criterion(nn.Module):
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         embeddings = embeddings.float()  # the memory and its statistics stay float32 under autocast
+        if (world_size := distributed.world_size()) > 1:
+            embeddings = distributed.gather_rows(distributed.scale_grad(embeddings, world_size))
+            labels = distributed.gather_rows(labels)
         use_memory = self.memory is not None and self.iteration >= self.start_iteration
         self.iteration += 1
         if not use_memory:

@@ -14,6 +14,8 @@ memory holds; its uncertainty is p0), so with r = 0 (gain 1) AXBN reduces exactl
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -85,3 +87,61 @@ class EMAMoments(_RecursiveMoments):
 
     def next_gain(self, batch_size: int) -> torch.Tensor:
         return torch.full_like(self.gain, self.momentum)
+
+
+class AdaptiveKalmanMoments(nn.Module):
+    """AXBN without q or r to tune (`axbn_auto`; beyond seed 000, which names hand-tuned q and r as its limit).
+
+    Two per-dimension filters, for the mean and for the std, each with its noise estimated online:
+    - measurement noise from sampling theory: the batch mean of |B| samples has variance s^2/|B|, the batch
+      std about s^2/(2(|B|-1)), s the std (per dimension, the filter's current estimate);
+    - process noise by covariance matching on the innovations nu = y - x (Mehra 1972): E[nu^2] = P + Q + R.
+      The excess (nu^2 - P - R) / R is pooled over the dimensions (one relative process noise per statistic,
+      Q = q_rel * R) and averaged over ~1/`innovation_momentum` steps before it is clipped at 0: pooling cuts the
+      estimate's noise by sqrt(d), and clipping only the average keeps a stationary stream's Q near 0 (clipping
+      every step would bias it upwards). Drift inflates the innovations, so Q and the gain rise; a stationary
+      stream lets them fall towards the 1/k averaging of a static filter.
+    """
+
+    def __init__(self, dim: int, innovation_momentum: float = 0.05):
+        super().__init__()
+        self.innovation_momentum = float(innovation_momentum)
+        for name in ("mean", "std", "gain", "mean_covariance", "std_covariance"):
+            self.register_buffer(name, torch.zeros(dim, dtype=torch.float64))
+        self.register_buffer("relative_process_noise", torch.zeros(2, dtype=torch.float64))  # mean, std
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def _update(self, slot: int, stat: str, observation: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        estimate = getattr(self, stat)
+        covariance = getattr(self, f"{stat}_covariance")
+        noise = noise.clamp_min(1e-30)
+        innovation = observation - estimate
+        if int(self.steps) == 0:
+            covariance.copy_(noise)  # the prior (the memory's moments) is taken as uncertain as one batch
+        else:
+            excess = ((innovation * innovation - covariance - noise) / noise).mean()
+            self.relative_process_noise[slot].lerp_(excess, self.innovation_momentum)
+        # Under no drift the averaged excess is noise of std (1 + P/R) sqrt(2/d * b/(2-b)) (chi-square innovations,
+        # pooled over d, averaged with momentum b); only what stands above twice that counts as process noise.
+        b = self.innovation_momentum
+        spread = (1 + (covariance / noise).mean()) * math.sqrt(2 / len(noise) * b / (2 - b))
+        predicted = covariance + (self.relative_process_noise[slot] - 2 * spread).clamp_min(0.0) * noise
+        gain = predicted / (predicted + noise)
+        estimate.add_(gain * innovation)
+        covariance.copy_((1.0 - gain) * predicted)
+        return gain
+
+    def forward(self, memory_mean, memory_std, batch_mean, batch_std, batch_size: int):
+        if int(self.steps) == 0:
+            self.mean.copy_(memory_mean)
+            self.std.copy_(memory_std)
+        # The noise comes from the filter's own std estimate, not this batch's: dividing by a noisy s^2 would
+        # bias the innovation test (E[1/s^2] > 1/sigma^2) and leave a spurious process noise.
+        variance = self.std * self.std
+        self.gain.copy_(self._update(0, "mean", batch_mean, variance / batch_size))
+        self._update(1, "std", batch_std, variance / (2 * max(batch_size - 1, 1)))
+        self.steps += 1
+        return self.mean, self.std
+
+    def diagnostics(self) -> dict[str, float]:
+        return {"gain": float(self.gain.mean())}

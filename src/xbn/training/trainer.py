@@ -5,6 +5,14 @@ Every epoch ends with a validation score on the class-disjoint `val` split (neve
 model in `models/model.pt` and a resumable checkpoint in `models/last.pt`, both written atomically. Randomness is
 re-seeded from (seed, epoch) at the start of every epoch, so a run resumed from an epoch boundary continues
 exactly as the uninterrupted run would have.
+
+Data-parallel (`torchrun -m xbn.train`, `xbn train --nproc N`): every rank draws the same global batch and
+loads its contiguous slice (`batches.RankBatchSampler`), each sample augmented from its own seed as in one
+process; the model is wrapped in DistributedDataParallel and the criterion gathers the global batch, so the
+loss, the memory and the gradient equal the single-process run's. BatchNorm is frozen by default
+(`model.freeze_bn`), so batch statistics never enter and no SyncBatchNorm is needed. Validation, checkpoints,
+metrics files and the epoch callback (tracking) happen on rank 0; its validation scores are broadcast, so
+every rank takes the same best-model decision, and the others wait at a barrier while rank 0 writes.
 """
 
 from __future__ import annotations
@@ -19,14 +27,18 @@ from typing import Callable
 
 import numpy as np
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from xbn import distributed
 from xbn.config import Params
 from xbn.data import ClassBalancedBatchSampler, ImageDataset, build_transform, encode_labels, read_manifest
 from xbn.evaluation.embed import autocast, evaluate_split
 from xbn.memory import Criterion, build_criterion
 from xbn.models import build_embedder, save_embedder
+from xbn.training.batches import RankBatchSampler, SeededSamples
 from xbn.training.diagnostics import FeatureDrift
 from xbn.utils.io import save_torch, write_json, write_text
 
@@ -49,6 +61,8 @@ def resolve_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"train.device={name} but CUDA is not available on this machine")
+    if device.type == "cuda" and distributed.world_size() > 1:
+        return torch.device("cuda", distributed.local_rank())  # one GPU per process: the one torchrun assigns
     return device
 
 
@@ -72,6 +86,8 @@ class Trainer:
     def __init__(self, params: Params, progress: bool = True, on_epoch: EpochCallback | None = None):
         self.params, self.progress, self.on_epoch = params, progress, on_epoch
         p = params
+        self.rank, self.world_size = distributed.rank(), distributed.world_size()
+        self.is_main = self.rank == 0
         self.device = resolve_device(p.train.device)
         self.amp = p.train.amp and self.device.type == "cuda"
         self.channels_last = p.train.channels_last and self.device.type == "cuda"
@@ -87,6 +103,12 @@ class Trainer:
         train_labels = train_frame["label"].map(codes).to_numpy()
 
         self.model, self.data_config = build_embedder(p.model)
+        if self.world_size > 1 and not p.model.freeze_bn:
+            if self.device.type == "cuda":  # batch statistics over the global batch, as in one process
+                self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
+            else:  # SyncBatchNorm runs on GPUs only
+                log.warning("model.freeze_bn=false on %d CPU processes: each rank's BatchNorm sees only "
+                            "its slice of the batch, unlike a single-process run", self.world_size)
         self.model.to(self.device)
         if self.channels_last:
             self.model.to(memory_format=torch.channels_last)
@@ -94,10 +116,13 @@ class Trainer:
         self.eval_transform = build_transform(p.data.image_size, training=False, mean=mean, std=std)
         train_set = ImageDataset(train_frame, p.data.root, train_labels,
                                  build_transform(p.data.image_size, training=True, mean=mean, std=std))
-        self.sampler = ClassBalancedBatchSampler(train_labels, p.train.batch_size, p.train.samples_per_class,
-                                                 seed=p.train.seed)
+        # train.batch_size is the global batch; each rank loads its slice of it.
+        batches = ClassBalancedBatchSampler(train_labels, p.train.batch_size, p.train.samples_per_class,
+                                            seed=p.train.seed)
+        self.sampler = RankBatchSampler(batches, self.rank, self.world_size, seed=p.train.seed)
         self.loader_generator = torch.Generator()
-        self.loader = DataLoader(train_set, batch_sampler=self.sampler, num_workers=p.data.num_workers,
+        self.loader = DataLoader(SeededSamples(train_set), batch_sampler=self.sampler,
+                                 num_workers=p.data.num_workers,
                                  pin_memory=self.device.type == "cuda", generator=self.loader_generator,
                                  persistent_workers=False)
         probe_set = ImageDataset(train_frame, p.data.root, train_labels, self.eval_transform)
@@ -110,6 +135,7 @@ class Trainer:
         self.history = History()
         self.epoch = 0  # epochs completed
         self.iteration = 0
+        self.net: nn.Module = self.model  # what the training step calls: the model or its DDP wrapper
         self.optimizer, self.scheduler = self._optimizer_for(0)
 
     # -- phases ---------------------------------------------------------------------------------------------
@@ -120,10 +146,23 @@ class Trainer:
         t = self.params.train
         if self._in_warmup(epoch):
             self.model.set_backbone_trainable(False)
+            self._wrap()
             return torch.optim.SGD(self.model.head_parameters(), lr=t.warmup_lr, momentum=0.9), None
         self.model.set_backbone_trainable(True)
+        self._wrap()
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, t.lr_step_epochs, t.lr_gamma)
+
+    def _wrap(self) -> None:
+        """(Re)wrap the model in DDP after its trainable set changed: DDP reduces the gradients of exactly
+        the parameters that required grad when it was built, so the warm-up's wrapper would drop the
+        backbone's."""
+        if self.world_size == 1:
+            return
+        # The old wrapper's gradient hooks go with it (and act only after their own wrapper's forward anyway).
+        self.net = self.model
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self.net = DistributedDataParallel(self.model, device_ids=ids)
 
     @property
     def total_epochs(self) -> int:
@@ -180,10 +219,14 @@ class Trainer:
             channels_last=self.channels_last, nmi=False)
         return {f"val_{k}": float(v) for k, v in metrics.items() if k in ("recall@1", "recall@2", "recall@4", "map@r")}
 
+    def _validate_on_main(self) -> dict:
+        # Rank 0 validates; every rank gets its scores, so all take the same best-model decision.
+        return distributed.broadcast_from_main(self.validate() if self.is_main else None)
+
     def fit(self) -> dict:
         start = time.perf_counter()
         if self.epoch == 0 and not self.history.epochs:
-            initial = self.validate()
+            initial = self._validate_on_main()
             self.history.epochs.append({"epoch": 0, "loss": float("nan"), **initial})
         while self.epoch < self.total_epochs:
             if self._in_warmup(self.epoch) != self._in_warmup(self.epoch - 1) and self.epoch > 0:
@@ -192,41 +235,49 @@ class Trainer:
             self.epoch += 1
             if self.scheduler:
                 self.scheduler.step()
-            row = {"epoch": self.epoch, "loss": loss, **self.validate()}
+            row = {"epoch": self.epoch, "loss": loss, **self._validate_on_main()}
             self.history.epochs.append(row)
             score = row.get("val_recall@1", self.epoch)  # no val split: the last epoch is kept
-            if score > self.history.best_score:
+            best = score > self.history.best_score
+            if best:
                 self.history.best_score, self.history.best_epoch = score, self.epoch
-                save_embedder(self.checkpoint_dir / "model.pt", self.model, self.params.model, self.data_config,
-                              {"epoch": self.epoch, "metrics": row})
-            save_torch(self.checkpoint_dir / "last.pt", self._state())
-            self._write_metrics(time.perf_counter() - start)
-            if self.on_epoch:
-                self.on_epoch(self.epoch, row)
-        if not (self.checkpoint_dir / "model.pt").exists():  # zero epochs: the untrained model is the model
+            if self.is_main:
+                if best:
+                    save_embedder(self.checkpoint_dir / "model.pt", self.model, self.params.model,
+                                  self.data_config, {"epoch": self.epoch, "metrics": row})
+                save_torch(self.checkpoint_dir / "last.pt", self._state())
+                self._write_metrics(time.perf_counter() - start)
+                if self.on_epoch:
+                    self.on_epoch(self.epoch, row)
+            distributed.barrier()  # no rank runs ahead (or reads last.pt) before rank 0 has written it
+        # Zero epochs: the untrained model is the model.
+        if self.is_main and not (self.checkpoint_dir / "model.pt").exists():
             save_embedder(self.checkpoint_dir / "model.pt", self.model, self.params.model, self.data_config,
                           {"epoch": 0, "metrics": self.history.epochs[-1] if self.history.epochs else {}})
             self._write_metrics(time.perf_counter() - start)
+        distributed.barrier()
         return self.summary()
 
     def _train_epoch(self) -> float:
         p = self.params.train
         epoch_seed = p.seed * 100_003 + self.epoch
-        seed_everything(epoch_seed)
+        # Distinct per rank, rank 0's being the single-process seed: a stochastic layer then draws independent
+        # masks on each rank's slice instead of repeating rank 0's.
+        seed_everything(epoch_seed * self.world_size + self.rank)
         self.loader_generator.manual_seed(epoch_seed)
         self.sampler.set_epoch(self.epoch)
-        self.model.train()
+        self.net.train()
         losses = []
         bar = tqdm(self.loader, desc=f"epoch {self.epoch + 1}/{self.total_epochs}", leave=False,
-                   disable=not self.progress, mininterval=2)
+                   disable=not (self.progress and self.is_main), mininterval=2)
         for images, labels, _ in bar:
             images = images.to(self.device, non_blocking=True)
             if self.channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
             labels = labels.to(self.device, non_blocking=True)
             with autocast(self.device, self.amp):
-                embeddings = self.model(images)
-            loss = self.criterion(embeddings, labels)
+                embeddings = self.net(images)
+            loss = self.criterion(embeddings, labels)  # the global batch's loss: the same value on every rank
             if not torch.isfinite(loss):
                 raise NonFiniteLossError(
                     f"loss is {loss.item()} at epoch {self.epoch + 1}, iteration {self.iteration + 1} "
@@ -237,7 +288,7 @@ class Trainer:
             self.optimizer.step()
             self.iteration += 1
             losses.append(loss.item())
-            if self.iteration % p.log_every == 0:
+            if self.is_main and self.iteration % p.log_every == 0:
                 self._log_step(losses[-1])
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
         return float(np.mean(losses)) if losses else float("nan")

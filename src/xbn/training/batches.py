@@ -1,0 +1,88 @@
+"""How a global batch reaches the processes of a data-parallel run, so that N processes see exactly what one
+process would have seen.
+
+- `RankBatchSampler` wraps the global batch sampler (identical on every rank: it is seeded from (seed, epoch))
+  and yields this rank's contiguous slice of each global batch: rank r takes rows r*B/N to (r+1)*B/N, so
+  gathering the slices in rank order gives back the global batch in its original order.
+- Every row comes with its own augmentation seed, drawn from (seed, epoch, batch number, position in the
+  global batch); `SeededSamples` seeds the RNGs with it before loading the row. A sample's augmentation then
+  depends on that seed alone, not on which rank or DataLoader worker loads it or what was loaded before, so a
+  run on N processes (or with any `num_workers`) augments every sample as the single-process run does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from xbn.data import ClassBalancedBatchSampler
+
+Row = tuple[int, int]  # (dataset index, augmentation seed)
+
+
+class RankBatchSampler:
+    """This rank's slice of every global batch of `batches`, as `(index, seed)` rows, for
+    `DataLoader(SeededSamples(dataset), batch_sampler=...)`. Call `set_epoch(epoch)` before each epoch."""
+
+    def __init__(self, batches: ClassBalancedBatchSampler, rank: int = 0, world_size: int = 1,
+                 seed: int = 0) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a world of {world_size}")
+        if batches.effective_batch_size % world_size:
+            raise ValueError(
+                f"the global batch of {batches.effective_batch_size} rows (train.batch_size, capped by the "
+                f"usable classes) cannot be split evenly over {world_size} processes")
+        self.batches, self.rank, self.world_size, self.seed = batches, rank, world_size, seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.batches.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[list[Row]]:
+        for number, batch in enumerate(self.batches):
+            seeds = np.random.SeedSequence([self.seed, self.epoch, number]).generate_state(len(batch))
+            share = len(batch) // self.world_size
+            lo, hi = self.rank * share, (self.rank + 1) * share
+            yield [(int(i), int(s)) for i, s in zip(batch[lo:hi], seeds[lo:hi])]
+
+
+@contextlib.contextmanager
+def seeded_rngs(seed: int) -> Iterator[None]:
+    """Seed Python's, NumPy's and torch's CPU generators (timm's augmentations draw from all three), then
+    restore them, so the caller's random streams are untouched. Only the CPU generator: reseeding CUDA's
+    (as torch.manual_seed does) would disturb the training process's GPU stream."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.default_generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+
+
+class SeededSamples(Dataset):
+    """`dataset[(index, seed)]` is `dataset[index]` loaded under `seeded_rngs(seed)`."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, row: Row) -> Any:
+        index, seed = row
+        with seeded_rngs(seed):
+            return self.dataset[index]

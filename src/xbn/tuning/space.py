@@ -1,0 +1,97 @@
+"""The search space of `tune.space`: what a trial samples, and the params overrides that turns into.
+
+Optuna parameter names are the dotted params keys, so plots, importances and MLflow params read like
+params.yaml. In `tune.lambda_mode` the two Kalman noises collapse into one dimension, `memory.kalman.r/q`:
+the static filter's gain sequence is unchanged when p0, q and r are scaled together (K = (P + q) /
+(P + q + r/|B|), P scales with them), so (p0, q, r) runs exactly as (p0/q, 1, r/q). A trial therefore samples
+lambda = r/q over the range that the r and q entries span and runs q = 1, r = lambda, p0 = p0/q.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from xbn.config import ConfigError, Params, TuneConfig, flatten, load_params
+
+log = logging.getLogger(__name__)
+
+LAMBDA = "memory.kalman.r/q"
+Dimension = TuneConfig.Dimension
+
+
+def yaml_scalar(value: Any) -> str:
+    """A value as `--set` text that YAML reads back as the same value (1e-05 must stay a float)."""
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+
+
+def as_overrides(values: Mapping[str, Any]) -> list[str]:
+    return [f"{key}={yaml_scalar(value)}" for key, value in values.items()]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    dims: dict[str, Dimension]  # Optuna parameter name -> dimension
+    lambda_mode: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: TuneConfig) -> SearchSpace:
+        dims = dict(cfg.space)
+        if cfg.lambda_mode:
+            r, q = dims.pop("memory.kalman.r"), dims.pop("memory.kalman.q")
+            ratio = Dimension(type="float", low=r.low / q.high, high=r.high / q.low, log=r.log or q.log)
+            dims = {LAMBDA: ratio, **dims}
+        return cls(dims, cfg.lambda_mode)
+
+    def sample(self, trial) -> dict[str, Any]:
+        """Ask the trial (an `optuna.Trial` or `FixedTrial`) for one value per dimension."""
+        values: dict[str, Any] = {}
+        for name, d in self.dims.items():
+            if d.type == "categorical":
+                values[name] = trial.suggest_categorical(name, d.choices)
+            elif d.type == "int":
+                values[name] = trial.suggest_int(name, int(d.low), int(d.high), log=d.log,
+                                                 step=int(d.step or 1))
+            else:
+                values[name] = trial.suggest_float(name, d.low, d.high, log=d.log, step=d.step)
+        return values
+
+    def to_params(self, sampled: Mapping[str, Any], base: Params) -> dict[str, Any]:
+        """Sampled values -> the params keys they set (lambda becomes q = 1, r = lambda, p0 = p0/q)."""
+        values = dict(sampled)
+        if LAMBDA in values:
+            kalman = base.memory.kalman
+            values = {"memory.kalman.p0": kalman.p0 / kalman.q, "memory.kalman.q": 1.0,
+                      "memory.kalman.r": values.pop(LAMBDA), **values}
+        return values
+
+    def current(self, base: Params) -> dict[str, Any]:
+        """The base params as sampled values (the baseline trial); values outside the space are left out."""
+        flat = flatten(base)
+        values = {}
+        for name, d in self.dims.items():
+            value = base.memory.kalman.r / base.memory.kalman.q if name == LAMBDA else flat.get(name)
+            inside = value in d.choices if d.type == "categorical" else (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and d.low <= value <= d.high)
+            if inside:
+                values[name] = value
+        return values
+
+    def check(self, params_file: str | Path, base: Params) -> None:
+        """Every bound and choice must give valid params with the base ones: a bad one is refused by its key
+        before any trial runs (a trial would otherwise fail on it hours later)."""
+        for name, d in self.dims.items():
+            for value in d.choices if d.type == "categorical" else (d.low, d.high):
+                try:
+                    load_params(params_file, as_overrides(self.to_params({name: value}, base)))
+                except ConfigError as exc:
+                    raise ConfigError(f"tune.space.{name}: {value!r} gives invalid params: {exc}") from None
+        unused = [n for n in self.dims if n.startswith("memory.kalman.")]
+        if unused and base.memory.method != "axbn":
+            log.warning("tune.space has %s but memory.method is %s: they change nothing", unused,
+                        base.memory.method)

@@ -1,0 +1,161 @@
+"""Where a study lives, and the study-wide lock that makes the trial budget exact across workers.
+
+- `sqlite:///FILE` (the default for one process): an RDB storage with heartbeats. Never for parallel workers
+  (Optuna's FAQ): SQLite locks the whole file and workers fail with "database is locked".
+- `journal:FILE` (the default for `--workers N`): Optuna's JournalStorage, safe for processes on one machine.
+  It has no heartbeats: the coordinator fails the trials of a worker process that died (see `study.py`).
+- `postgresql://...` (or another SQLAlchemy URL): workers on several machines join one study; a worker that
+  stops sending heartbeats for `grace_period` has its running trial marked failed by the next worker that
+  looks.
+
+The lock: a worker claims a trial by counting the study's trials and enqueueing one more, both under this
+lock, so N workers never start more than `tune.trials` trials between them. It is a PostgreSQL advisory
+lock (released by the server if the worker dies) or an flock on a file next to a file storage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+from optuna.storages import BaseStorage, JournalStorage, RDBStorage
+from optuna.storages.journal import JournalFileBackend
+
+from xbn.config import ConfigError, TuneConfig
+
+log = logging.getLogger(__name__)
+
+JOURNAL = "journal:"
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    url: str  # journal:PATH or an SQLAlchemy URL
+
+    @property
+    def kind(self) -> str:
+        if self.url.startswith(JOURNAL):
+            return "journal"
+        return self._url().get_backend_name()  # sqlite, postgresql, mysql, ...
+
+    @property
+    def path(self) -> Path | None:
+        """The file of a journal or SQLite storage."""
+        if self.kind == "journal":
+            return Path(self.url.removeprefix(JOURNAL))
+        return Path(self._url().database) if self.kind == "sqlite" else None
+
+    @property
+    def heartbeats(self) -> bool:
+        return self.kind != "journal"
+
+    def redacted(self) -> str:
+        return self.url if self.kind == "journal" else self._url().render_as_string(hide_password=True)
+
+    def _url(self):
+        from sqlalchemy.engine import make_url
+
+        return make_url(self.url)
+
+
+def resolve_storage(cfg: TuneConfig, workers: int) -> StorageSpec:
+    if cfg.storage is None:
+        return StorageSpec(f"{JOURNAL}{Path(cfg.dir) / 'optuna.journal'}" if workers > 1
+                           else f"sqlite:///{Path(cfg.dir) / 'optuna.db'}")
+    spec = StorageSpec(cfg.storage)
+    try:
+        kind = spec.kind
+    except Exception:  # noqa: BLE001 - sqlalchemy's ArgumentError and friends: any unparsable URL
+        raise ConfigError(f"tune.storage: '{cfg.storage}' is neither journal:FILE nor a database URL "
+                          "(sqlite:///FILE, postgresql://user@host/db)") from None
+    if kind == "sqlite" and workers > 1:
+        raise ConfigError("tune.storage: SQLite is not safe for parallel workers; use journal:FILE (one "
+                          "machine) or postgresql://... (several), or leave tune.storage null")
+    return _with_installed_driver(spec)
+
+
+def _with_installed_driver(spec: StorageSpec) -> StorageSpec:
+    """SQLAlchemy 2.1 reads a bare postgresql:// as psycopg 3; this project installs psycopg2."""
+    url = spec._url() if spec.kind == "postgresql" else None
+    if url is None or "+" in url.drivername or importlib.util.find_spec("psycopg") is not None:
+        return spec
+    return StorageSpec(url.set(drivername="postgresql+psycopg2").render_as_string(hide_password=False))
+
+
+def open_storage(spec: StorageSpec, cfg: TuneConfig) -> BaseStorage:
+    if spec.path is not None:
+        spec.path.parent.mkdir(parents=True, exist_ok=True)
+    if spec.kind == "journal":
+        return JournalStorage(JournalFileBackend(str(spec.path)))
+    with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna since 2.9, and what we need
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return RDBStorage(spec.url, heartbeat_interval=cfg.heartbeat_interval, grace_period=cfg.grace_period,
+                          engine_kwargs={"pool_pre_ping": True} if spec.kind != "sqlite" else None)
+
+
+def study_lock(spec: StorageSpec, study_name: str) -> contextlib.AbstractContextManager:
+    if spec.path is not None:
+        return _FileLock(spec.path.with_name(f"{spec.path.name}.{_digest(study_name)}.lock"))
+    if spec.kind == "postgresql":
+        return _AdvisoryLock(spec.url, study_name)
+    log.warning("tune.storage %s: no cross-process lock for %s; with several workers the study may run up "
+                "to workers - 1 trials more than tune.trials", spec.redacted(), spec.kind)
+    return _LOCAL
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+class _FileLock:
+    """flock on a file next to the storage: exclusive between processes, dropped by the kernel when its
+    holder dies. One holder per instance (each worker makes its own)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "a")
+        fcntl.flock(self._fh, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        self._fh.close()  # closing the file releases the lock
+
+
+class _AdvisoryLock:
+    """A PostgreSQL session advisory lock keyed by the study: every worker on every machine that uses the
+    database sees it, and the server releases it when the holder's connection drops."""
+
+    def __init__(self, url: str, study_name: str):
+        from sqlalchemy import create_engine
+        from sqlalchemy.pool import NullPool
+
+        self._engine = create_engine(url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+        self._key = int.from_bytes(hashlib.sha256(f"xbn-tune/{study_name}".encode()).digest()[:8], "big",
+                                   signed=True)
+
+    def __enter__(self):
+        from sqlalchemy import text
+
+        self._conn = self._engine.connect()
+        self._conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": self._key})
+
+    def __exit__(self, *exc):
+        from sqlalchemy import text
+
+        try:
+            self._conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": self._key})
+        finally:
+            self._conn.close()  # closing the session releases the lock even if the unlock failed
+
+
+_LOCAL = threading.Lock()

@@ -1,0 +1,105 @@
+"""Data-parallel training on 2 CPU processes (gloo) equals the single-process run on the same global
+batches."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests_support import ROOT, TINY
+from xbn.stages.prepare import prepare
+from xbn.training.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+# axbn: the Kalman state and R = r/|B| depend on the global batch. 3 epochs (1 warm-up) x 2 batches of 16; the
+# 36-row memory wraps around; the warm-up -> main switch re-wraps the model in DDP.
+RUN = ["memory.method=axbn", "memory.size=36"]
+WORLD = 2
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def train_and_collect(params) -> dict:
+    """Train, recording what the criterion saw and returned at every step and the final state."""
+    trainer = Trainer(params, progress=False)
+    steps: list[tuple[int, float]] = []
+    trainer.criterion.register_forward_hook(
+        lambda module, inputs, loss: steps.append((len(inputs[0]), loss.item())))
+    trainer.fit()
+    return {"local_rows": [n for n, _ in steps], "losses": [v for _, v in steps],
+            "criterion": trainer.criterion.state_dict(), "model": trainer.model.state_dict(),
+            "epochs": trainer.history.epochs, "logged_steps": len(trainer.history.steps)}
+
+
+def worker(rank: int, workdir: str, init_file: str, overrides: list[str]) -> None:
+    from xbn.config import load_params
+
+    os.chdir(workdir)
+    torch.set_num_threads(1)  # two processes on a shared CPU
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        result = train_and_collect(load_params(ROOT / "params.yaml", overrides))
+        torch.save(result, Path(workdir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def assert_states_equal(a: dict, b: dict, **tol) -> None:
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(value, b[key], msg=key, **tol)
+        else:  # extra state: queue pointer, fill flag, iteration counters
+            assert value == b[key], key
+
+
+def epoch_table(result: dict) -> torch.Tensor:
+    return torch.tensor([list(row.values()) for row in result["epochs"]], dtype=torch.float64)
+
+
+def test_ddp_loss_and_memory_equal_single_process(tiny_params, glyph_root, tmp_path):
+    single_params = tiny_params(*RUN)
+    prepare(single_params)
+    single = train_and_collect(single_params)
+
+    overrides = [*TINY, f"data.root={glyph_root}", *RUN, "train.checkpoint_dir=ddp_models",
+                 "train.metrics_dir=ddp_metrics"]
+    mp.spawn(worker, args=(str(tmp_path), str(tmp_path / "init"), overrides), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+    assert single["local_rows"] == [16] * 6
+    assert len(single["criterion"]["memory.embedding_memory"]) == 36
+    for result in ranks:
+        assert result["local_rows"] == [8] * 6  # each rank loaded half of every global batch
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single["losses"]), **TOL)
+        assert_states_equal(result["criterion"], single["criterion"], **TOL)
+        assert_states_equal(result["model"], single["model"], **TOL)  # so the gradients were the same too
+        assert [list(e) for e in result["epochs"]] == [list(e) for e in single["epochs"]]  # val scores too
+        torch.testing.assert_close(epoch_table(result), epoch_table(single), equal_nan=True, **TOL)
+    # Both ranks hold the very same memory, Kalman state and model; rank 0 alone logged and wrote.
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    torch.testing.assert_close(epoch_table(ranks[0]), epoch_table(ranks[1]), equal_nan=True, rtol=0, atol=0)
+    assert_states_equal(ranks[0]["criterion"], ranks[1]["criterion"], rtol=0, atol=0)
+    assert_states_equal(ranks[0]["model"], ranks[1]["model"], rtol=0, atol=0)
+    assert (ranks[0]["logged_steps"], ranks[1]["logged_steps"]) == (6, 0)
+    assert Path("ddp_models/model.pt").exists() and Path("ddp_metrics/train.json").exists()
+
+
+def test_cli_nproc_launches_torchrun(tiny_params, glyph_root, tmp_path):
+    prepare(tiny_params())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    sets = [f"--set={o}" for o in [*TINY, f"data.root={glyph_root}", "train.epochs=1"]]
+    done = subprocess.run([sys.executable, "-m", "xbn.cli", "train", "--nproc", "2", "-q",
+                           "--params", str(ROOT / "params.yaml"), *sets],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)  # printed once, by rank 0
+    assert summary["epochs"] == 2 and summary["iterations"] == 4
+    assert json.loads(Path("metrics/train.json").read_text())["iterations"] == 4
+    assert Path("models/model.pt").exists() and Path("models/last.pt").exists()

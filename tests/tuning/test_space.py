@@ -1,0 +1,105 @@
+"""The search space: validated by key before any trial, sampled into params, and lambda mode's claim that
+(p0, q, r) and (p0/q, 1, r/q) are the same Kalman filter."""
+
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+import yaml
+
+from tests_support import ROOT
+from xbn.config import ConfigError, load_params
+from xbn.memory.moments import KalmanMoments
+from xbn.tuning import LAMBDA, SearchSpace, as_overrides
+from xbn.tuning.storage import resolve_storage
+
+
+def params_with_space(tmp_path: Path, space: dict, **tune) -> Path:
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["tune"].update(space=space, **tune)
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.mark.parametrize("space, named", [
+    ({"memory.kalman.rr": {"type": "float", "low": 1, "high": 2}}, r"'memory\.kalman\.rr' is not a params"),
+    ({"memroy.size": {"type": "float", "low": 0.1, "high": 1}}, r"'memroy\.size' is not a params key"),
+    ({"memory.kalman": {"type": "float", "low": 1, "high": 2}}, r"'memory\.kalman' is a section"),
+    ({"memory.method.x": {"type": "categorical", "choices": [1]}}, r"'method' is a value"),
+    ({"tune.epochs": {"type": "int", "low": 1, "high": 3}}, r"'tune\.epochs' cannot be tuned"),
+    ({"memory.size": {"type": "float", "low": 1, "high": 0.1}}, r"tune\.space\.memory\.size: .*low <= high"),
+    ({"memory.kalman.r": {"type": "float", "low": 0, "high": 1, "log": True}}, r"kalman\.r: .*low > 0"),
+    ({"train.batch_size": {"type": "int", "low": 8, "high": 64.5}}, r"train\.batch_size: .*whole"),
+    ({"memory.method": {"type": "categorical", "choices": []}}, r"memory\.method: .*choices"),
+])
+def test_a_bad_space_is_refused_at_load_naming_the_key(tmp_path, space, named):
+    with pytest.raises(ConfigError, match=named):
+        load_params(params_with_space(tmp_path, space))
+
+
+def test_free_form_mappings_accept_new_keys(tmp_path):
+    p = load_params(params_with_space(tmp_path, {"loss.params.temperature": {"type": "float", "low": 0.05,
+                                                                             "high": 0.5}}))
+    assert "loss.params.temperature" in p.tune.space
+
+
+def test_a_bound_the_schema_refuses_is_named_before_any_trial(tmp_path):
+    path = params_with_space(tmp_path, {"memory.kalman.q": {"type": "float", "low": 0.0, "high": 1.0}})
+    base = load_params(path)
+    with pytest.raises(ConfigError, match=r"tune\.space\.memory\.kalman\.q: 0\.0 .*memory\.kalman\.q"):
+        SearchSpace.from_config(base.tune).check(path, base)
+    per_class = {"type": "categorical", "choices": [4, 5]}
+    path = params_with_space(tmp_path, {"train.samples_per_class": per_class})
+    with pytest.raises(ConfigError, match=r"samples_per_class: 5 .*divisible"):
+        SearchSpace.from_config(load_params(path).tune).check(path, load_params(path))
+
+
+def test_lambda_mode_needs_r_and_q(tmp_path):
+    with pytest.raises(ConfigError, match=r"lambda_mode needs .*memory\.kalman\.q"):
+        load_params(params_with_space(tmp_path, {"memory.kalman.r": {"type": "float", "low": 1, "high": 2}},
+                                      lambda_mode=True))
+
+
+def test_sampled_values_become_the_trial_params():
+    base = load_params(ROOT / "params.yaml")
+    space = SearchSpace.from_config(base.tune)
+    fixed = {"memory.kalman.r": 0.03, "memory.kalman.q": 2e-6, "memory.size": 0.25,
+             "memory.kalman.gain_interval": 100}
+    sampled = space.sample(optuna.trial.FixedTrial(fixed))
+    trial = load_params(ROOT / "params.yaml", as_overrides(space.to_params(sampled, base)))
+    k = trial.memory.kalman
+    assert (k.r, k.q, trial.memory.size, k.gain_interval) == (0.03, 2e-6, 0.25, 100)
+    assert isinstance(k.gain_interval, int)
+    # The current params lie in the default space: they are the baseline trial as they are.
+    assert space.current(base) == {"memory.kalman.r": 1.0, "memory.kalman.q": 1e-4, "memory.size": 1.0,
+                                   "memory.kalman.gain_interval": 1}
+
+
+def test_lambda_mode_is_the_same_filter_with_one_dimension_fewer():
+    base = load_params(ROOT / "params.yaml", ["tune.lambda_mode=true", "memory.kalman.p0=2.0"])
+    space = SearchSpace.from_config(base.tune)
+    lam = space.dims[LAMBDA]
+    # lambda = r/q over exactly the range the r and q entries span
+    assert (lam.low, lam.high, lam.log) == pytest.approx((1e-4 / 1e-2, 10.0 / 1e-6, True))
+    assert not {"memory.kalman.r", "memory.kalman.q"} & space.dims.keys()
+    values = space.to_params({LAMBDA: 250.0, "memory.size": 0.5, "memory.kalman.gain_interval": 1}, base)
+    assert values["memory.kalman.q"] == 1.0 and values["memory.kalman.r"] == 250.0
+    assert space.current(base)[LAMBDA] == pytest.approx(1.0 / 1e-4)
+
+    q = base.memory.kalman.q
+    original = KalmanMoments(4, p0=2.0, q=q, r=250.0 * q)
+    rescaled = KalmanMoments(4, p0=values["memory.kalman.p0"], q=1.0, r=250.0)
+    for batch in (64, 64, 32, 64, 128) * 4:
+        torch.testing.assert_close(original.next_gain(batch), rescaled.next_gain(batch), rtol=1e-9, atol=0)
+
+
+def test_storage_defaults_and_parallel_sqlite_refused():
+    cfg = load_params(ROOT / "params.yaml").tune
+    assert resolve_storage(cfg, 1).url == "sqlite:///tuning/optuna.db"
+    assert resolve_storage(cfg, 3).url == "journal:tuning/optuna.journal"
+    with pytest.raises(ConfigError, match="SQLite is not safe for parallel workers"):
+        resolve_storage(cfg.model_copy(update={"storage": "sqlite:///x.db"}), 2)
+    pg = resolve_storage(cfg.model_copy(update={"storage": "postgresql://u:secret@db/optuna"}), 4)
+    assert pg.kind == "postgresql" and "secret" not in pg.redacted() and pg.heartbeats

@@ -1,0 +1,55 @@
+"""Storages and the trial budget without training: the claim under the study lock is exact under contention,
+a study is not silently mixed with other params, and a --worker needs a shared storage."""
+
+import threading
+import time
+
+import optuna
+import pytest
+
+from tests_support import ROOT
+from xbn.config import ConfigError, load_params
+from xbn.stages.tune import tune
+from xbn.tuning import open_study, resolve_storage, run_worker
+
+
+def test_workers_racing_on_a_journal_create_exactly_the_budget(tmp_path):
+    params = load_params(ROOT / "params.yaml", [f"tune.storage=journal:{tmp_path / 'j.journal'}",
+                                                "tune.study_name=race"])
+    spec = resolve_storage(params.tune, 4)
+    ran: list[int] = []
+
+    def objective(trial):
+        time.sleep(0.01)  # long enough for the workers to interleave
+        return trial.suggest_float("x", 0.0, 1.0)
+
+    def work():  # each worker its own session and lock, as in its own process
+        ran.append(run_worker(open_study(params, spec, seed=None), objective, trials=12))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    trials = optuna.load_study(study_name="race", storage=optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(tmp_path / "j.journal")))).get_trials()
+    assert sum(ran) == 12 and sorted(t.number for t in trials) == list(range(12))
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+
+
+def test_a_named_study_refuses_params_it_was_not_run_with(tmp_path):
+    storage = f"tune.storage=sqlite:///{tmp_path / 'o.db'}"
+    first = load_params(ROOT / "params.yaml", [storage, "tune.study_name=s"])
+    open_study(first, resolve_storage(first.tune, 1), seed=0)
+    # More trials or another pruner: the same study goes on. Another memory size: refused.
+    same = load_params(ROOT / "params.yaml", [storage, "tune.study_name=s", "tune.trials=50", "tune.pruner=none"])
+    open_study(same, resolve_storage(same.tune, 1), seed=0)
+    other = load_params(ROOT / "params.yaml", [storage, "tune.study_name=s", "memory.method=xbn"])
+    with pytest.raises(ConfigError, match="study 's' .* was run with other params"):
+        open_study(other, resolve_storage(other.tune, 1), seed=0)
+
+
+def test_a_worker_without_a_shared_storage_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"tune\.storage: a --worker joins a shared study"):
+        tune(load_params(ROOT / "params.yaml"), worker=True)
