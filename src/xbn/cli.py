@@ -70,6 +70,15 @@ def _stage_evaluate(params: Params, args) -> dict:
     return evaluate(params)
 
 
+def _stage_tune(params: Params, args) -> dict:
+    from xbn.stages.tune import tune
+
+    if args.apply and args.worker:
+        raise ConfigError("--apply merges the study's result: run it on the coordinator, not a --worker")
+    return tune(params, workers=args.workers, worker=args.worker,
+                apply_to=args.params if args.apply else None)
+
+
 def _stage_run(params: Params, args) -> dict:
     args.resume = False
     return {name: fn(params, args) for name, fn in
@@ -121,6 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     registry.set_defaults(fn=_registry)
     sub.add_parser("run", parents=[common], help="prepare, train and evaluate in order").set_defaults(
         fn=_stage_run)
+    tune = sub.add_parser("tune", parents=[common],
+                          help="Optuna study over tune.space, scored by validation R@1 -> params.tuned.yaml")
+    mode = tune.add_mutually_exclusive_group()
+    mode.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+                      help="worker processes on this machine (journal storage unless tune.storage is set)")
+    mode.add_argument("--worker", action="store_true",
+                      help="join the study in tune.storage as one more worker (e.g. from another machine)")
+    tune.add_argument("--apply", action="store_true", help="merge the best values into the --params file")
+    tune.set_defaults(fn=_stage_tune)
     return parser
 
 
@@ -136,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         result = args.fn(params, args)
+    except ConfigError as exc:  # a check that needs more than the schema (e.g. a tune.space bound)
+        print(f"xbn {args.command}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except (DatasetError, FileNotFoundError) as exc:
         print(f"xbn {args.command}: {exc}", file=sys.stderr)
         return EXIT_DATA

@@ -103,3 +103,15 @@ def test_storage_defaults_and_parallel_sqlite_refused():
         resolve_storage(cfg.model_copy(update={"storage": "sqlite:///x.db"}), 2)
     pg = resolve_storage(cfg.model_copy(update={"storage": "postgresql://u:secret@db/optuna"}), 4)
     assert pg.kind == "postgresql" and "secret" not in pg.redacted() and pg.heartbeats
+
+
+def test_the_cli_refuses_a_bad_bound_by_key_before_any_work(tmp_path, monkeypatch, capsys):
+    from xbn.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    path = params_with_space(tmp_path, {"memory.kalman.q": {"type": "float", "low": 0.0, "high": 1.0}})
+    assert main(["tune", "--params", str(path)]) == 2
+    assert "tune.space.memory.kalman.q: 0.0" in capsys.readouterr().err
+    assert main(["tune", "--params", str(ROOT / "params.yaml"), "--worker", "--apply"]) == 2
+    assert "--apply merges the study's result" in capsys.readouterr().err
+    assert not (tmp_path / "tuning/optuna.db").exists()

@@ -49,7 +49,7 @@ def test_postgresql_workers_finish_exactly_the_requested_trials_and_outlive_a_de
     # A worker the coordinator does not know (as on another machine) dies in its trial: only its heartbeats
     # can tell.
     with open(tmp_path / "worker.log", "wb") as log:
-        command = [sys.executable, "-m", "xbn.tuning", "--worker", "--params", str(params_file)]
+        command = [sys.executable, "-m", "xbn.cli", "tune", "--worker", "--params", str(params_file)]
         stray = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         lost = wait_for_running_trial(lambda: optuna.load_study(study_name="shared", storage=postgres_url),

@@ -61,7 +61,6 @@ def tune(params: Params, *, workers: int = 1, worker: bool = False,
     if worker and params.tune.storage is None:
         raise ConfigError("tune.storage: a --worker joins a shared study; set tune.storage (journal:FILE on "
                           "this machine, postgresql://... across machines) as the coordinator's")
-    _require_val_split(params)
     spec = resolve_storage(params.tune, workers)
     name = study_name(params)
     study_dir = Path(params.tune.dir) / name
@@ -69,6 +68,7 @@ def tune(params: Params, *, workers: int = 1, worker: bool = False,
     base = load_params(resolved)
     space = SearchSpace.from_config(base.tune)
     space.check(resolved, base)
+    _require_val_split(base)
     baseline = space.current(base) if base.tune.include_current else None
 
     if worker:
@@ -138,7 +138,7 @@ def _tracker(session: StudySession, params: Params):
 
 
 def _run_workers(session: StudySession, resolved: Path, workers: int, study_dir: Path) -> list[str]:
-    """N worker processes (`python -m xbn.tuning --worker`), each with its share of the CPU threads (and a
+    """N worker processes (`xbn tune --worker`), each with its share of the CPU threads (and a
     GPU each, round robin, when there are several). A worker that dies has its running trial failed at once;
     the others finish the budget. Returns the failures; raises when none finished the study."""
     env = dict(os.environ)
@@ -149,7 +149,7 @@ def _run_workers(session: StudySession, resolved: Path, workers: int, study_dir:
         log_path = study_dir / f"worker_{i}.log"
         with open(log_path, "ab") as out:  # the child keeps its own handle
             procs.append((subprocess.Popen(
-                [sys.executable, "-m", "xbn.tuning", "--worker", "--params", str(resolved), "--quiet"],
+                [sys.executable, "-m", "xbn.cli", "tune", "--worker", "--params", str(resolved), "--quiet"],
                 stdout=out, stderr=subprocess.STDOUT,
                 env={**env, "CUDA_VISIBLE_DEVICES": str(i % gpus)} if gpus > 1 else env), log_path))
     log.info("%d workers on study %s (logs: %s/worker_*.log)", workers, session.name, study_dir)
