@@ -1,6 +1,10 @@
 """Storages and the trial budget without training: the claim under the study lock is exact under contention,
 a study is not silently mixed with other params, and a --worker needs a shared storage."""
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -11,6 +15,7 @@ from tests_support import ROOT
 from xbn.config import ConfigError, load_params
 from xbn.stages.tune import tune
 from xbn.tuning import open_study, resolve_storage, run_worker
+from xbn.tuning.storage import journal_storage
 
 
 def test_workers_racing_on_a_journal_create_exactly_the_budget(tmp_path):
@@ -31,8 +36,7 @@ def test_workers_racing_on_a_journal_create_exactly_the_budget(tmp_path):
         t.start()
     for t in threads:
         t.join()
-    trials = optuna.load_study(study_name="race", storage=optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend(str(tmp_path / "j.journal")))).get_trials()
+    trials = optuna.load_study(study_name="race", storage=journal_storage(tmp_path / "j.journal")).get_trials()
     assert sum(ran) == 12 and sorted(t.number for t in trials) == list(range(12))
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
 
@@ -53,3 +57,26 @@ def test_a_worker_without_a_shared_storage_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=r"tune\.storage: a --worker joins a shared study"):
         tune(load_params(ROOT / "params.yaml"), worker=True)
+
+
+def test_a_process_killed_inside_the_journal_lock_does_not_block_the_others(tmp_path, monkeypatch):
+    # Relative path, as with the default tune.dir: Optuna's symlink lock left by a killed holder was never
+    # broken then (its stale check followed a dangling relative link), and the CI run hung on it.
+    monkeypatch.chdir(tmp_path)
+    optuna.create_study(study_name="s", storage=journal_storage("tuning/j.journal"))
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from xbn.tuning.storage import journal_storage\n"
+        "lock = journal_storage('tuning/j.journal')._backend._lock\n"
+        "lock.acquire(); print('held', flush=True); time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    study = optuna.load_study(study_name="s", storage=journal_storage("tuning/j.journal"))
+    done = threading.Event()
+    threading.Thread(target=lambda: (study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2),
+                                     done.set()), daemon=True).start()
+    assert done.wait(30), "the journal stayed locked after its holder was killed"
+    assert len(study.get_trials()) == 2

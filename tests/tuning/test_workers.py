@@ -12,11 +12,10 @@ import time
 import optuna
 import pytest
 import yaml
-from optuna.storages import JournalStorage
-from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from xbn.stages.tune import tune
+from xbn.tuning.storage import journal_storage
 from xbn.tuning.study import ERROR_ATTR, WORKER_ATTR
 
 from .helpers import child_runs
@@ -83,7 +82,7 @@ def test_workers_share_a_journal_and_a_killed_worker_costs_one_trial(project, tm
     def load_study():
         if not journal.exists():
             raise KeyError("no study yet")
-        storage = JournalStorage(JournalFileBackend(str(journal)))
+        storage = journal_storage(journal)  # the workers' own lock
         return optuna.load_study(study_name=optuna.get_all_study_names(storage)[0], storage=storage)
 
     try:

@@ -4,6 +4,9 @@
   (Optuna's FAQ): SQLite locks the whole file and workers fail with "database is locked".
 - `journal:FILE` (the default for `--workers N`): Optuna's JournalStorage, safe for processes on one machine.
   It has no heartbeats: the coordinator fails the trials of a worker process that died (see `study.py`).
+  Its file lock is an flock (`_JournalFlock`), not Optuna's default symlink lock: a worker killed while it
+  reads or appends the journal would leave the symlink behind, and with a relative path Optuna's stale-lock
+  check stats a dangling link and never breaks it, so every other worker waited forever.
 - `postgresql://...` (or another SQLAlchemy URL): workers on several machines join one study; a worker that
   stops sending heartbeats for `grace_period` has its running trial marked failed by the next worker that
   looks.
@@ -94,11 +97,18 @@ def open_storage(spec: StorageSpec, cfg: TuneConfig) -> BaseStorage:
     if spec.path is not None:
         spec.path.parent.mkdir(parents=True, exist_ok=True)
     if spec.kind == "journal":
-        return JournalStorage(JournalFileBackend(str(spec.path)))
+        return journal_storage(spec.path)
     with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna since 2.9, and what we need
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return RDBStorage(spec.url, heartbeat_interval=cfg.heartbeat_interval, grace_period=cfg.grace_period,
                           engine_kwargs={"pool_pre_ping": True} if spec.kind != "sqlite" else None)
+
+
+def journal_storage(path: str | Path) -> JournalStorage:
+    """Optuna's journal on `path`, locked by an flock that a killed process cannot leave behind."""
+    path = Path(path).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return JournalStorage(JournalFileBackend(str(path), lock_obj=_JournalFlock(path.with_name(f"{path.name}.flock"))))
 
 
 def study_lock(spec: StorageSpec, study_name: str) -> contextlib.AbstractContextManager:
@@ -129,6 +139,34 @@ class _FileLock:
 
     def __exit__(self, *exc):
         self._fh.close()  # closing the file releases the lock
+
+
+class _JournalFlock:
+    """Optuna's journal lock (its `lock_obj`: acquire/release, the interface of its lock classes) as an flock: the kernel drops it when its holder dies, so a killed worker
+    never blocks the others. Written here because Optuna's own locks (symlink, open) are lock *files* that
+    outlive a SIGKILL. A threading lock orders the threads of one process that share this object."""
+
+    def __init__(self, path: Path):
+        self.path, self._threads, self._fh = path, threading.Lock(), None
+
+    def acquire(self) -> bool:
+        self._threads.acquire()
+        try:
+            fh = open(self.path, "a")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        except BaseException:
+            self._threads.release()
+            raise
+        self._fh = fh
+        return True
+
+    def release(self) -> None:
+        fh, self._fh = self._fh, None
+        try:
+            if fh is not None:
+                fh.close()  # closing the file releases the flock
+        finally:
+            self._threads.release()
 
 
 class _AdvisoryLock:
