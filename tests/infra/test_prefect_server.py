@@ -113,11 +113,6 @@ def test_worker_entrypoint_creates_the_pool_and_deploys_prefect_yaml(prefect_sta
     assert status == 201 and run["state"]["type"] == "SCHEDULED" and run["work_queue_name"] == "default"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Prefect 3.8.8's scheduler cannot insert scheduled runs with SQLAlchemy 2.1 (requirements/lock.txt "
-    "pins 2.1.9): 'Can't evaluate bulk DML statement; please supply a bulk_dml decorated function' for the "
-    "FlowRun.state hybrid. Remove this mark once the lock holds a SQLAlchemy the scheduler works with "
-    "(2.0.x)."))
 def test_the_weekly_schedule_creates_flow_runs(prefect_stack):
     url = prefect_stack.url
     _, deployments = api(url, "/deployments/filter", {})
