@@ -8,8 +8,9 @@ import logging
 import sys
 
 from xbn.config import ConfigError, Params, load_params
+from xbn.utils.errors import ServiceUnavailableError
 
-EXIT_CONFIG, EXIT_DATA = 2, 3
+EXIT_CONFIG, EXIT_DATA, EXIT_SERVICE = 2, 3, 4
 
 
 def _stage_generate(params: Params, args) -> dict:
@@ -64,6 +65,12 @@ def _stage_train(params: Params, args) -> dict:
     return train(params, resume=args.resume, progress=not args.quiet, params_file=args.params)
 
 
+def _stage_refine(params: Params, args) -> dict:
+    from xbn.stages.refine import refine
+
+    return refine(params)
+
+
 def _stage_evaluate(params: Params, args) -> dict:
     from xbn.stages.evaluate import evaluate
 
@@ -82,7 +89,8 @@ def _stage_tune(params: Params, args) -> dict:
 def _stage_run(params: Params, args) -> dict:
     args.resume = False
     return {name: fn(params, args) for name, fn in
-            (("prepare", _stage_prepare), ("train", _stage_train), ("evaluate", _stage_evaluate))}
+            (("prepare", _stage_prepare), ("train", _stage_train), ("refine", _stage_refine),
+             ("evaluate", _stage_evaluate))}
 
 
 def _positive_int(text: str) -> int:
@@ -112,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="data-parallel processes on this machine, launched with torchrun (one GPU "
                             "each on CUDA); train.batch_size stays the global batch")
     train.set_defaults(fn=_stage_train)
+    sub.add_parser("refine", parents=[common],
+                   help="train the neighbourhood-context refiner on the frozen embeddings (refine.enabled)"
+                   ).set_defaults(fn=_stage_refine)
     sub.add_parser("evaluate", parents=[common], help="retrieval metrics on the test protocol").set_defaults(
         fn=_stage_evaluate)
     sub.add_parser("register", parents=[common],
@@ -128,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (promote, rollback):
         p.add_argument("--user", default=None, help="who decides (default: $USER)")
     registry.set_defaults(fn=_registry)
-    sub.add_parser("run", parents=[common], help="prepare, train and evaluate in order").set_defaults(
+    sub.add_parser("run", parents=[common], help="prepare, train, refine and evaluate in order").set_defaults(
         fn=_stage_run)
     tune = sub.add_parser("tune", parents=[common],
                           help="Optuna study over tune.space, scored by validation R@1 -> params.tuned.yaml")
@@ -160,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DatasetError, FileNotFoundError) as exc:
         print(f"xbn {args.command}: {exc}", file=sys.stderr)
         return EXIT_DATA
+    except ServiceUnavailableError as exc:  # the tracking store is down: nothing was started
+        print(f"xbn {args.command}: {exc}", file=sys.stderr)
+        return EXIT_SERVICE
     print(result if isinstance(result, str) else json.dumps(result, indent=2, default=str))
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -10,11 +11,13 @@ import numpy as np
 import pandas as pd
 import torch
 from PIL import Image, UnidentifiedImageError
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 from torchvision.transforms.functional import to_tensor
 
 from xbn.data.errors import DatasetError
 from xbn.data.manifest import BOX_COLUMNS, encode_labels
+
+log = logging.getLogger(__name__)
 
 
 class ImageDataset(Dataset):
@@ -23,6 +26,9 @@ class ImageDataset(Dataset):
     `labels` are the integer labels of the rows (default: `encode_labels` of the manifest's labels); the
     index is returned too so the memory bank and the evaluation can map outputs back to rows.
     `transform` maps an RGB PIL image to a tensor (default: `to_tensor`).
+
+    `skip_unreadable`: an image that cannot be read (truncated or deleted after `validate` passed) is logged
+    with its path and returned as None instead of raising; `collate_skipping` drops it from its batch.
     """
 
     def __init__(
@@ -31,8 +37,10 @@ class ImageDataset(Dataset):
         root: str | Path,
         labels: Sequence[int] | np.ndarray | None = None,
         transform: Callable[[Image.Image], torch.Tensor] | None = None,
+        skip_unreadable: bool = False,
     ) -> None:
         self.root = Path(root)
+        self.skip_unreadable = skip_unreadable
         self.paths: list[str] = manifest["path"].astype(str).tolist()
         self.labels = np.asarray(
             encode_labels(manifest["label"]) if labels is None else labels, dtype=np.int64
@@ -61,5 +69,21 @@ class ImageDataset(Dataset):
         box = self.boxes[index]
         return image.crop(box) if box is not None else image
 
-    def __getitem__(self, index: int) -> tuple[Any, int, int]:
-        return self.transform(self.load(index)), int(self.labels[index]), index
+    def __getitem__(self, index: int) -> tuple[Any, int, int] | None:
+        try:
+            image = self.load(index)
+        except DatasetError as exc:
+            if not self.skip_unreadable:
+                raise
+            log.warning("skipping row %d: %s", index, exc)
+            return None
+        return self.transform(image), int(self.labels[index]), index
+
+
+def collate_skipping(samples: list[tuple[Any, int, int] | None]) -> tuple[torch.Tensor, ...]:
+    """`default_collate` of the samples that are not None (a batch with a skipped image is just smaller);
+    a batch whose every image was skipped is three empty tensors."""
+    kept = [s for s in samples if s is not None]
+    if not kept:
+        return torch.empty(0), torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
+    return default_collate(kept)

@@ -111,40 +111,49 @@ def read_manifest(path: str | Path) -> pd.DataFrame:
         fh = path.open(newline="", encoding="utf-8")
     except OSError as exc:
         raise DatasetError(f"cannot read label file {path}: {exc.strerror or exc}") from exc
+    try:
+        with fh:
+            return _read_rows(csv.reader(fh), path)
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except csv.Error as exc:
+        raise DatasetError(f"{path}: not a readable CSV file ({exc})") from None
+
+
+def _read_rows(reader, path: Path) -> pd.DataFrame:
+    """The manifest of a `csv.reader` over `path` (see `read_manifest`)."""
     paths: list[str] = []
     labels: list[str] = []
     splits: list[str] = []
     boxes: list[Box | None] = []
-    with fh:
-        reader = csv.reader(fh)
-        header = [h.strip() for h in next(reader, [])]
-        missing = [c for c in COLUMNS if c not in header]
-        if missing:
-            raise DatasetError(f"{path} line 1: header {header} lacks column(s) {missing}")
-        box_cols = [c for c in BOX_COLUMNS if c in header]
-        if box_cols and len(box_cols) != len(BOX_COLUMNS):
-            raise DatasetError(f"{path} line 1: box columns must be all of {list(BOX_COLUMNS)} or none")
-        col = {c: header.index(c) for c in (*COLUMNS, *box_cols)}
-        for row in reader:
-            line = reader.line_num
-            if not any(f.strip() for f in row):
-                continue
-            if len(row) != len(header):
-                raise DatasetError(
-                    f"{path} line {line}: expected {len(header)} fields ({header}), got {len(row)}"
-                )
-            label, split = row[col["label"]].strip(), row[col["split"]].strip()
-            if not label:
-                raise DatasetError(f"{path} line {line}: empty 'label'")
-            if split not in SPLITS:
-                raise DatasetError(
-                    f"{path} line {line}: 'split' is {split!r}, expected one of {list(SPLITS)}"
-                )
-            paths.append(safe_relative_path(row[col["path"]], path, line))
-            labels.append(label)
-            splits.append(split)
-            if box_cols:
-                boxes.append(_parse_box([row[col[c]] for c in box_cols], path, line))
+    header = [h.strip() for h in next(reader, [])]
+    missing = [c for c in COLUMNS if c not in header]
+    if missing:
+        raise DatasetError(f"{path} line 1: header {header} lacks column(s) {missing}")
+    box_cols = [c for c in BOX_COLUMNS if c in header]
+    if box_cols and len(box_cols) != len(BOX_COLUMNS):
+        raise DatasetError(f"{path} line 1: box columns must be all of {list(BOX_COLUMNS)} or none")
+    col = {c: header.index(c) for c in (*COLUMNS, *box_cols)}
+    for row in reader:
+        line = reader.line_num
+        if not any(f.strip() for f in row):
+            continue
+        if len(row) != len(header):
+            raise DatasetError(
+                f"{path} line {line}: expected {len(header)} fields ({header}), got {len(row)}"
+            )
+        label, split = row[col["label"]].strip(), row[col["split"]].strip()
+        if not label:
+            raise DatasetError(f"{path} line {line}: empty 'label'")
+        if split not in SPLITS:
+            raise DatasetError(
+                f"{path} line {line}: 'split' is {split!r}, expected one of {list(SPLITS)}"
+            )
+        paths.append(safe_relative_path(row[col["path"]], path, line))
+        labels.append(label)
+        splits.append(split)
+        if box_cols:
+            boxes.append(_parse_box([row[col[c]] for c in box_cols], path, line))
     if not paths:
         raise DatasetError(f"{path}: no rows after the header")
     return build_manifest(paths, labels, splits, boxes if box_cols else None)

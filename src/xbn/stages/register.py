@@ -39,14 +39,16 @@ from xbn.tracking import (
     run_summary,
     scores_of,
 )
+from xbn.tracking.registry import SERVED_TAG, log_refiner
+from xbn.tracking.services import mask_secrets
 from xbn.utils.io import write_json
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 GATE = "gate"  # `decided_by` of the automatic decisions
 # The params a reader of the model card wants first; the full set is in the run.
 KEY_PARAMS = ("data.dataset", "data.image_size", "model.backbone", "model.pretrained", "model.embedding_dim",
-              "memory.method", "memory.size", "loss.name", "train.epochs", "train.warmup_epochs", "train.lr",
-              "train.batch_size", "train.samples_per_class", "train.seed")
+              "memory.method", "memory.size", "loss.name", "loss.memvir.enabled", "train.epochs",
+              "train.warmup_epochs", "train.lr", "train.batch_size", "train.samples_per_class", "train.seed")
 _EPS = 1e-12  # metrics are stored with full precision; this only absorbs float rounding in the differences
 
 
@@ -104,7 +106,10 @@ def register(params: Params) -> dict:
     for path, stage in ((checkpoint, "train"), (results_file, "evaluate")):
         if not path.exists():
             raise FileNotFoundError(f"{path} not found: run `xbn {stage}` first")
-    metrics = scores_of(json.loads(results_file.read_text()))
+    results = json.loads(results_file.read_text())
+    # Seed 001: when the refine stage serves refined queries, the gate judges (and the tags record) those.
+    served = "refined" if (results.get("refined") or {}).get("served") else "plain"
+    metrics = scores_of(results["refined"] if served == "refined" else results)
     if cfg.primary_metric not in metrics:
         raise ValueError(f"registry.primary_metric '{cfg.primary_metric}' is not in {results_file} "
                          f"(it has {', '.join(sorted(metrics))})")
@@ -113,18 +118,26 @@ def register(params: Params) -> dict:
     if existing := registry.find_by_tag("model_sha256", sha):
         return _write_report(params, registry, existing, compared=None, already_registered=True)
 
-    champion = registry.by_alias(CHAMPION)
     data = data_hash(params)
-    decision = gate(metrics, champion, data, cfg)
     with pipeline_run(params, "register") as run:
-        model_uri = log_model(params, run, checkpoint)
-        # The decision goes in with the version, so no version is ever seen without one.
-        tags = {"data_hash": data or "unknown", "params_hash": params_hash(params), "model_sha256": sha,
-                **metric_tags(metrics), **_stamp(decision.decision, decision.reason, GATE)}
-        version = registry.create(model_uri, tags).version
-        registry.set_alias(CHALLENGER, version)
-        if decision.promote:
-            _make_champion(registry, version, champion)
+        model_uri = log_model(params, run, checkpoint)  # the slow part, outside the lock
+        if served == "refined":
+            log_refiner(run, params.refine.output)
+        # Read the champion, decide and move the aliases under the registry lock: a concurrent register or
+        # promote may have changed the champion (or registered this very file) since the check above.
+        with registry.lock():
+            if existing := registry.find_by_tag("model_sha256", sha):
+                return _write_report(params, registry, existing, compared=None, already_registered=True)
+            champion = registry.by_alias(CHAMPION)
+            decision = gate(metrics, champion, data, cfg)
+            # The decision goes in with the version, so no version is ever seen without one.
+            tags = {"data_hash": data or "unknown", "params_hash": params_hash(params), "model_sha256": sha,
+                    SERVED_TAG: served, **metric_tags(metrics),
+                    **_stamp(decision.decision, decision.reason, GATE)}
+            version = registry.create(model_uri, tags).version
+            registry.set_alias(CHALLENGER, version)
+            if decision.promote:
+                _make_champion(registry, version, champion)
         registry.set_description(version, model_card(params, registry.get(version), champion, decision, run))
     return _write_report(params, registry, registry.get(version), compared=champion)
 
@@ -133,13 +146,14 @@ def promote(params: Params, version: int | str, reason: str, user: str | None = 
     """Move `champion` to `version` by hand (the data-hash and metric gates do not apply); idempotent."""
     _require_reason(reason)
     registry = Registry(params)
-    target = registry.get(version)
-    champion = registry.by_alias(CHAMPION)
-    if champion is not None and champion.version == target.version:
-        return _write_report(params, registry, target, compared=None, decision="unchanged",
-                             reason=f"v{target.version} is already the champion; nothing changed")
-    _make_champion(registry, target.version, champion)
-    registry.set_tags(target.version, _stamp("promoted", reason, _user(user)))
+    with registry.lock():  # the champion read here is still the champion when the alias moves
+        target = registry.get(version)
+        champion = registry.by_alias(CHAMPION)
+        if champion is not None and champion.version == target.version:
+            return _write_report(params, registry, target, compared=None, decision="unchanged",
+                                 reason=f"v{target.version} is already the champion; nothing changed")
+        _make_champion(registry, target.version, champion)
+        registry.set_tags(target.version, _stamp("promoted", reason, _user(user)))
     return _write_report(params, registry, registry.get(target.version), compared=champion)
 
 
@@ -147,16 +161,18 @@ def rollback(params: Params, reason: str, user: str | None = None) -> dict:
     """Restore the champion that the current one replaced (its `previous_champion` tag)."""
     _require_reason(reason)
     registry = Registry(params)
-    champion = registry.by_alias(CHAMPION)
-    if champion is None:
-        raise ValueError(f"{params.registry.model_name} has no champion to roll back")
-    previous = champion.tags.get("previous_champion")
-    if not previous:
-        raise ValueError(f"champion v{champion.version} records no previous champion to roll back to")
-    who = _user(user)
-    registry.set_alias(CHAMPION, int(previous))
-    registry.set_tags(champion.version, _stamp("rolled_back", reason, who))
-    registry.set_tags(int(previous), _stamp("restored", f"rollback of v{champion.version}: {reason}", who))
+    with registry.lock():
+        champion = registry.by_alias(CHAMPION)
+        if champion is None:
+            raise ValueError(f"{params.registry.model_name} has no champion to roll back")
+        previous = champion.tags.get("previous_champion")
+        if not previous:
+            raise ValueError(f"champion v{champion.version} records no previous champion to roll back to")
+        who = _user(user)
+        registry.set_alias(CHAMPION, int(previous))
+        registry.set_tags(champion.version, _stamp("rolled_back", reason, who))
+        registry.set_tags(int(previous),
+                          _stamp("restored", f"rollback of v{champion.version}: {reason}", who))
     return _write_report(params, registry, registry.get(previous), compared=champion)
 
 
@@ -238,7 +254,8 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
               "", "## Links", f"- run: `runs:/{run.run_id}` (experiment {summary['experiment_id']})",
               f"- model: `{version.source}` (model.pt sha256 `{version.tags.get('model_sha256')}`)"]
     if run.tracking_uri.startswith(("http://", "https://")):
-        lines.append(f"- run in the UI: {run.tracking_uri.rstrip('/')}/#/experiments/{run.experiment_id}"
+        ui = mask_secrets(run.tracking_uri).rstrip("/")  # the card is public to every registry reader
+        lines.append(f"- run in the UI: {ui}/#/experiments/{run.experiment_id}"
                      f"/runs/{run.run_id}")
     grid = "plots/retrieval_grid.png"
     lines.append(f"- retrieval grid: {summary['artifact_uri']}/{grid}" if grid in summary["artifacts"]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 from xbn.config import Params
 from xbn.training.trainer import EpochCallback
 from xbn.training.trainer import train as fit
@@ -13,8 +11,10 @@ def train(params: Params, resume: bool = False, progress: bool = True, params_fi
           on_epoch: EpochCallback | None = None) -> dict:
     if not params.tracking.enabled:
         return fit(params, resume=resume, progress=progress, on_epoch=on_epoch)
-    from xbn.tracking import epoch_logger, log_training, pipeline_run
+    from xbn.tracking import epoch_logger, log_training, pipeline_run, tracking_uri
+    from xbn.tracking.services import check_reachable
 
+    check_reachable(tracking_uri(params))  # fail in seconds, before any training, if the store is down
     # A fresh training starts the execution's run; a resumed one continues the run it was part of.
     with pipeline_run(params, "train", new=not resume) as run:
         log_epoch = epoch_logger(run)

@@ -8,6 +8,7 @@ from code (`_pyfunc_model.py`), so nothing is pickled.
 
 from __future__ import annotations
 
+import logging
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from mlflow.models import ModelSignature
 from mlflow.types import Schema, TensorSpec
 
 CHECKPOINT_ARTIFACT = "checkpoint"
+# The checkpoint's sha256 at logging time, in the model's `model_config`: load_context refuses other bytes.
+CHECKPOINT_SHA256 = "checkpoint_sha256"
 # Logged as a "model from code" (MLflow's recommended form): this file defines the model by importing xbn.
 MODEL_CODE = Path(__file__).with_name("_pyfunc_model.py")
 _REQUIREMENTS = ("torch", "torchvision", "timm", "numpy", "pillow", "pydantic", "mlflow")
@@ -33,12 +36,17 @@ class EmbedderModel(mlflow.pyfunc.PythonModel):
         import torch
 
         from xbn.models import load_embedder
+        from xbn.tracking.integrity import verify_file
 
+        checkpoint = context.artifacts[CHECKPOINT_ARTIFACT]
+        expected = (context.model_config or {}).get(CHECKPOINT_SHA256)
+        if expected:  # verified before torch.load sees a byte of it
+            verify_file(checkpoint, expected, what="checkpoint")
+        else:  # logged before hashes were recorded
+            logging.getLogger(__name__).warning("%s: no recorded sha256, loading it unverified", checkpoint)
         self._torch = torch
         self._device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self._model, self.data_config, _ = load_embedder(
-            context.artifacts[CHECKPOINT_ARTIFACT], map_location=self._device
-        )
+        self._model, self.data_config, _ = load_embedder(checkpoint, map_location=self._device)
 
     def predict(self, context, model_input: np.ndarray, params: dict[str, Any] | None = None) -> np.ndarray:
         torch = self._torch

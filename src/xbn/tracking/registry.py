@@ -17,7 +17,8 @@ from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.tracking import MlflowClient
 
 from xbn.config import Params
-from xbn.tracking.runs import configure, metric_key, metric_name
+from xbn.tracking.locks import DEFAULT_TIMEOUT_S, registry_lock
+from xbn.tracking.runs import PipelineRun, configure, metric_key, metric_name
 
 METRIC_TAG_PREFIX = "metric."
 _NOT_FOUND = ErrorCode.Name(RESOURCE_DOES_NOT_EXIST)
@@ -43,6 +44,14 @@ class ModelVersionInfo:
                 if k.startswith(METRIC_TAG_PREFIX)}
 
 
+SERVED_TAG = "served_embedding"  # plain | refined (seed 001's context refiner on top of the embedder)
+
+
+def log_refiner(run: PipelineRun, path: str) -> None:
+    """Log the context refiner (`refine.output`) as an artifact of the run, under `refiner/`."""
+    MlflowClient(run.tracking_uri).log_artifact(run.run_id, str(path), "refiner")
+
+
 def metric_tags(metrics: Mapping[str, float]) -> dict[str, str]:
     """`{"recall@1": 0.5}` -> `{"metric.recall_at_1": "0.5"}` (full float precision, so the gate is exact)."""
     return {METRIC_TAG_PREFIX + metric_key(k): repr(float(v)) for k, v in metrics.items()}
@@ -52,8 +61,14 @@ class Registry:
     """The versions of registered model `params.registry.model_name` in the tracking store of `params`."""
 
     def __init__(self, params: Params) -> None:
-        self.client = MlflowClient(configure(params))
+        self.uri = configure(params)
+        self.client = MlflowClient(self.uri)
         self.name = params.registry.model_name
+
+    def lock(self, timeout: float = DEFAULT_TIMEOUT_S):
+        """Serialise a read-decide-move-alias step with every other process promoting this model in this
+        store (see `xbn.tracking.locks`); without it two runs could both see no champion and both win."""
+        return registry_lock(self.uri, self.name, timeout)
 
     def by_alias(self, alias: str) -> ModelVersionInfo | None:
         try:

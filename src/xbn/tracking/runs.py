@@ -36,6 +36,7 @@ from xbn.config import Params, flatten
 from xbn.tracking import pyfunc
 from xbn.tracking.fingerprints import data_hash, file_digest, git_commit, params_hash
 from xbn.tracking.plots import plot_training
+from xbn.tracking.services import Retrying, mask_secrets, redact
 from xbn.utils.io import write_text
 
 log = logging.getLogger(__name__)
@@ -117,17 +118,25 @@ def pipeline_run(
         base = {"git_commit": git_commit(), "data_hash": data_hash(params),
                 "params_hash": params_hash(params)}
         client.log_batch(run.run_id, tags=_tags({**base, **(tags or {})}))
-        log.info("MLflow run %s (%s) in %s", run.run_id, "resumed" if run.resumed else "new", uri)
+        log.info("MLflow run %s (%s) in %s", run.run_id, "resumed" if run.resumed else "new",
+                 mask_secrets(uri))
         yield run
 
 
 def epoch_logger(run: PipelineRun) -> Callable[[int, dict], None]:
-    """The trainer's `on_epoch` callback: logs each numeric value of an epoch row with step=epoch."""
-    client = MlflowClient(run.tracking_uri)
+    """The trainer's `on_epoch` callback: logs each numeric value of an epoch row with step=epoch.
+
+    Transient store errors are retried; if the store stays down the row is skipped with a warning rather than
+    stopping the training (`log_training` logs the epochs the store missed from train_epochs.csv)."""
+    client = Retrying(MlflowClient(run.tracking_uri))
 
     def log_epoch(epoch: int, row: dict) -> None:
         values = {k: v for k, v in row.items() if k != "epoch"}
-        client.log_batch(run.run_id, metrics=_metrics(values, step=epoch))
+        try:
+            client.log_batch(run.run_id, metrics=_metrics(values, step=epoch))
+        except Exception as exc:  # noqa: BLE001 - the checkpoint and metrics files have the row
+            log.warning("epoch %d metrics not logged to MLflow (%s); they are sent again when the stage "
+                        "ends", epoch, mask_secrets(str(exc))[:300])
 
     return log_epoch
 
@@ -137,7 +146,7 @@ def log_training(params: Params, run: PipelineRun, params_file: str | Path = "pa
     (`train/...`), per-epoch rows the callback did not log (epoch 0, the untrained score), per-step
     diagnostics (`step/...`, step=iteration), the training plots, the validation report if present, and the
     model."""
-    client = MlflowClient(run.tracking_uri)
+    client = Retrying(MlflowClient(run.tracking_uri))
     metrics_dir = Path(params.train.metrics_dir)
     summary_file = metrics_dir / "train.json"
     if summary_file.exists():
@@ -147,8 +156,12 @@ def log_training(params: Params, run: PipelineRun, params_file: str | Path = "pa
     _log_series(client, run.run_id, metrics_dir / "train_epochs.csv", "epoch", prefix="")
     _log_series(client, run.run_id, metrics_dir / "train_steps.csv", "iteration", prefix="step/")
     if Path(params_file).exists():
-        client.log_artifact(run.run_id, str(params_file))
-    client.log_dict(run.run_id, params.model_dump(mode="json"), "params.resolved.yaml")
+        text = Path(params_file).read_text()
+        if mask_secrets(text) != text:  # a password in a URI: record the file with it masked
+            client.log_text(run.run_id, mask_secrets(text), Path(params_file).name)
+        else:
+            client.log_artifact(run.run_id, str(params_file))
+    client.log_dict(run.run_id, redact(params.model_dump(mode="json")), "params.resolved.yaml")
     plots = plot_training(metrics_dir / "train_epochs.csv", metrics_dir / "train_steps.csv", PLOTS_DIR)
     for png in plots:
         client.log_artifact(run.run_id, str(png), "plots")
@@ -159,13 +172,15 @@ def log_training(params: Params, run: PipelineRun, params_file: str | Path = "pa
 
 
 def log_evaluation(params: Params, run: PipelineRun, grid_png: str | Path | None = None) -> dict[str, float]:
-    """Log `eval.output`'s metrics (the untrained baseline as `untrained/...`), the file itself, and the
+    """Log `eval.output`'s metrics (each nested set, such as the untrained baseline or the test-time MPN's,
+    as `untrained/...`, `mpn/...`), the file itself, and the
     retrieval grid (`grid_png`, else `plots/retrieval_grid.png` when the evaluate stage drew one).
     Returns the test metrics under their own names (`recall@1`, ...)."""
-    client = MlflowClient(run.tracking_uri)
+    client = Retrying(MlflowClient(run.tracking_uri))
     results = json.loads(Path(params.eval.output).read_text())
     scores = scores_of(results)
-    untrained = {f"untrained/{k}": v for k, v in (results.get("untrained") or {}).items()}
+    untrained = {f"{name}/{k}": v for name, nested in results.items() if isinstance(nested, dict)
+                 for k, v in nested.items()}
     counts = {f"eval/{k}": v for k, v in results.items() if k not in scores}
     client.log_batch(run.run_id, metrics=_metrics({**scores, **untrained, **counts}, step=0))
     client.log_artifact(run.run_id, params.eval.output, "metrics")
@@ -200,6 +215,7 @@ def log_model(params: Params, run: PipelineRun, checkpoint: str | Path | None = 
         name=MODEL_NAME,
         python_model=str(pyfunc.MODEL_CODE),
         artifacts={pyfunc.CHECKPOINT_ARTIFACT: str(checkpoint)},
+        model_config={pyfunc.CHECKPOINT_SHA256: sha},
         signature=pyfunc.signature(params.model.embedding_dim),
         input_example=pyfunc.input_example(params.data.image_size),
         pip_requirements=pyfunc.pip_requirements(),
@@ -252,7 +268,7 @@ def _system_metrics_available() -> bool:
 
 def _log_params(client: MlflowClient, run_id: str, flat: Mapping[str, Any]) -> None:
     logged = client.get_run(run_id).data.params
-    values = {k: str(v) for k, v in flat.items()}
+    values = {k: mask_secrets(str(v)) for k, v in flat.items()}  # no password reaches the store
     changed = sorted(k for k, v in values.items() if k in logged and logged[k] != v)
     client.log_batch(run_id, params=[Param(k, v) for k, v in values.items() if k not in logged])
     if changed:

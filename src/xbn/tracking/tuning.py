@@ -24,6 +24,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from xbn.config import Params, flatten
 from xbn.tracking.runs import _metrics, _tags, tracking_uri
+from xbn.tracking.services import mask_secrets
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,6 @@ def _experiment_id(client: MlflowClient, name: str) -> str:
 
 
 def _log_params(client: MlflowClient, run_id: str, values: Mapping[str, Any]) -> None:
-    params = [Param(k, str(v)[:6000]) for k, v in values.items()]
+    params = [Param(k, mask_secrets(str(v))[:6000]) for k, v in values.items()]  # tune.storage may hold one
     for start in range(0, len(params), _MAX_PARAMS):
         client.log_batch(run_id, params=params[start:start + _MAX_PARAMS])

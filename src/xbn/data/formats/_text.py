@@ -15,6 +15,8 @@ def read_lines(path: Path) -> list[Row]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise DatasetError(f"cannot read label file {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     return [(no, line.split()) for no, line in enumerate(text.splitlines(), 1) if line.strip()]
 
 

@@ -1,0 +1,137 @@
+"""The tracking store as a service: is it reachable (checked before training, so a run fails in seconds,
+not after hours), retries of transient errors while a run logs, and credentials kept out of logs and params.
+
+Credentials belong in the environment, not in params.yaml: libpq reads `PGPASSWORD` (or ~/.pgpass) for a
+`postgresql://user@host/db` URI, MLflow reads `MLFLOW_TRACKING_USERNAME`/`MLFLOW_TRACKING_PASSWORD` for a
+server. A URI that still embeds a password is masked (`***`) wherever xbn logs or records it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+from urllib.parse import urlparse
+
+from xbn.utils.errors import ServiceUnavailableError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MASK = "***"
+# scheme://user:password@host -> scheme://user:***@host; also password=... in a query string or DSN.
+_USERINFO = re.compile(r"(?P<head>[a-zA-Z][\w+.-]*://[^:/@\s]*:)(?P<secret>[^@\s]+)(?P<tail>@)")
+_KEYVALUE = re.compile(r"(?P<head>\b(?:password|passwd|pwd|secret|token)=)(?P<secret>[^&;\s]+)",
+                       re.IGNORECASE)
+_DATABASE_SCHEMES = ("postgresql", "postgres", "mysql", "mssql")
+
+
+def mask_secrets(text: str) -> str:
+    """`postgresql://u:pw@host/db` -> `postgresql://u:***@host/db` (and `password=...` -> `password=***`)."""
+    text = _USERINFO.sub(lambda m: m["head"] + MASK + m["tail"], text)
+    return _KEYVALUE.sub(lambda m: m["head"] + MASK, text)
+
+
+def redact(value: Any) -> Any:
+    """`value` with every string in it passed through `mask_secrets` (mappings and lists recursively)."""
+    if isinstance(value, str):
+        return mask_secrets(value)
+    if isinstance(value, Mapping):
+        return {k: redact(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact(v) for v in value)
+    return value
+
+
+def has_password(uri: str) -> bool:
+    return mask_secrets(uri) != uri
+
+
+def check_reachable(uri: str, timeout: float = 5.0) -> None:
+    """Raise `ServiceUnavailableError` naming `uri` (masked) unless the tracking store answers: a server's
+    `/health`, a database a connection; a SQLite file needs its directory to exist."""
+    shown = mask_secrets(uri)
+    if has_password(uri):
+        log.warning("tracking URI %s embeds a password: set it in the environment instead (PGPASSWORD, "
+                    "MLFLOW_TRACKING_PASSWORD)", shown)
+    scheme = urlparse(uri).scheme.split("+")[0]
+    try:
+        if scheme in ("http", "https"):
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as response:
+                if response.status != 200:
+                    raise OSError(f"/health answered HTTP {response.status}")
+        elif scheme in _DATABASE_SCHEMES:
+            import sqlalchemy as sa
+
+            args = {"connect_timeout": max(1, int(timeout))} if scheme.startswith("postgres") else {}
+            engine = sa.create_engine(uri, poolclass=sa.pool.NullPool, connect_args=args)
+            try:
+                with engine.connect() as conn:
+                    conn.execute(sa.text("SELECT 1"))
+            finally:
+                engine.dispose()
+        elif scheme == "sqlite":
+            from pathlib import Path
+
+            db = uri.split(":///", 1)[1] if ":///" in uri else ""
+            if db and db != ":memory:" and not Path(db).resolve().parent.is_dir():
+                raise OSError(f"directory {Path(db).resolve().parent} does not exist")
+    except Exception as exc:  # noqa: BLE001 - urllib, socket and every DB driver raise their own types
+        reason = mask_secrets(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+        raise ServiceUnavailableError(
+            f"the MLflow tracking store {shown} is not reachable ({reason}); start it, or point "
+            f"MLFLOW_TRACKING_URI / tracking.uri at one that is (tracking.enabled=false runs without it)"
+        ) from None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Errors worth retrying: the network, a busy or restarting server or database."""
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(exc, (ConnectionError, TimeoutError, urllib.error.URLError)):
+        return True
+    if isinstance(exc, MlflowException):
+        code = getattr(exc, "error_code", "")
+        return code in ("TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR", "REQUEST_LIMIT_EXCEEDED",
+                        "DEADLINE_EXCEEDED", "ABORTED") or "database is locked" in str(exc)
+    try:
+        import requests
+        import sqlalchemy.exc as sa_exc
+    except ImportError:  # pragma: no cover - both come with mlflow
+        return False
+    return isinstance(exc, (requests.ConnectionError, requests.Timeout, sa_exc.OperationalError))
+
+
+def retry(fn: Callable[..., T], *args: Any, attempts: int = 4, base_delay: float = 0.5,
+          what: str | None = None, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)`, retried on transient errors with exponential backoff and jitter (0.5, 1, 2 s
+    by default); the last error is raised. Only for idempotent calls (logging a batch twice is harmless)."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if attempt == attempts or not is_transient(exc):
+                raise
+            delay = base_delay * 2 ** (attempt - 1) * (1 + random.random() / 2)
+            log.warning("%s failed (%s: %s); retry %d/%d in %.1f s", what or getattr(fn, "__name__", "call"),
+                        type(exc).__name__, mask_secrets(str(exc))[:300], attempt, attempts - 1, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+class Retrying:
+    """A proxy whose method calls go through `retry`: `Retrying(MlflowClient(uri)).log_batch(...)`."""
+
+    def __init__(self, target: Any, **options: Any) -> None:
+        self._target, self._options = target, options
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        if not callable(attr):
+            return attr
+        return lambda *args, **kwargs: retry(attr, *args, what=f"MLflow {name}", **self._options, **kwargs)

@@ -1,0 +1,100 @@
+"""Services down: an unreachable tracking store stops `xbn train` and the retrain flow in seconds, before any
+training, with a message naming the store; transient errors while a run logs are retried."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from xbn.cli import EXIT_SERVICE, main
+from xbn.tracking.services import Retrying, check_reachable, retry
+from xbn.utils.errors import ServiceUnavailableError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def _no_env_store(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+@pytest.mark.parametrize("uri", [
+    "http://127.0.0.1:{port}",
+    "postgresql://postgres:not-the-password@127.0.0.1:{port}/postgres",
+], ids=["server", "postgresql"])
+def test_train_fails_fast_naming_the_unreachable_store(params_file, capsys, uri):
+    uri = uri.format(port=_free_port())
+    params = params_file("tracking.enabled=true", f"tracking.uri={uri}")
+    start = time.monotonic()
+    code = main(["train", "--params", str(params), "-q"])
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert code == EXIT_SERVICE, err
+    assert "not reachable" in err and uri.split("@")[-1] in err
+    assert "not-the-password" not in err  # the URI is named with its password masked
+    assert elapsed < 20  # a refused connection, not MLflow's minutes of HTTP retries
+    assert not Path("models").exists() and not Path("metrics").exists()
+
+
+def test_retrain_flow_checks_the_store_before_any_task(params_file):
+    from pipelines.retrain import retrain
+
+    uri = f"http://127.0.0.1:{_free_port()}"
+    params = params_file("tracking.enabled=true", f"tracking.uri={uri}")
+    with pytest.raises(ServiceUnavailableError, match=uri):
+        retrain.fn(str(params))  # the flow's body: the check runs before prepare
+    assert not Path("data/manifest.csv").exists()
+
+
+def test_a_reachable_sqlite_store_passes_and_a_missing_directory_does_not(tmp_path):
+    check_reachable(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with pytest.raises(ServiceUnavailableError, match="nowhere"):
+        check_reachable(f"sqlite:///{tmp_path / 'nowhere/mlflow.db'}")
+
+
+def test_transient_errors_are_retried_with_backoff_and_others_are_not(caplog):
+    calls = []
+
+    def flaky(value):
+        calls.append(time.monotonic())
+        if len(calls) < 3:
+            raise ConnectionError("connection reset by peer")
+        return value
+
+    with caplog.at_level(logging.WARNING):
+        assert retry(flaky, 7, base_delay=0.05) == 7
+    assert len(calls) == 3 and calls[2] - calls[1] > calls[1] - calls[0] > 0.04  # backoff grows
+    assert caplog.text.count("retry") == 2
+
+    def broken():
+        calls.append(0)
+        raise ValueError("a bug, not a blip")
+
+    calls.clear()
+    with pytest.raises(ValueError):
+        retry(broken, base_delay=0.01)
+    assert len(calls) == 1
+    with pytest.raises(ConnectionError):  # still down after the last attempt: the error surfaces
+        Retrying(socket, attempts=2, base_delay=0.01).create_connection(("127.0.0.1", _free_port()), 1)
+
+
+def test_epoch_logging_survives_a_store_that_went_down(monkeypatch, caplog):
+    from xbn.tracking import PipelineRun, epoch_logger
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # MLflow's own retries: minutes
+    uri = f"http://127.0.0.1:{_free_port()}"
+    run = PipelineRun("0" * 32, "0", uri, "", resumed=False)
+    log_epoch = epoch_logger(run)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        log_epoch(1, {"epoch": 1, "loss": 0.5})  # the training goes on
+    assert "epoch 1 metrics not logged" in caplog.text and caplog.text.count("retry") == 3
+    assert time.monotonic() - start < 30

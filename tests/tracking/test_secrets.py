@@ -1,0 +1,47 @@
+"""Credentials never reach the logs or the MLflow params: URIs with a password are recorded masked."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from tests_support import ROOT
+from xbn.config import flatten, load_params
+from xbn.tracking import pipeline_run
+from xbn.tracking.services import has_password, mask_secrets, redact
+
+SECRET = "s3cr3t-pw"
+
+
+@pytest.mark.parametrize("text, masked", [
+    (f"postgresql://xbn:{SECRET}@db:5432/optuna", "postgresql://xbn:***@db:5432/optuna"),
+    (f"postgresql+psycopg2://u:{SECRET}@h/db", "postgresql+psycopg2://u:***@h/db"),
+    (f"https://user:{SECRET}@mlflow.example.com", "https://user:***@mlflow.example.com"),
+    (f"host=db user=u password={SECRET} dbname=x", "host=db user=u password=*** dbname=x"),
+    ("postgresql://xbn@db/optuna", "postgresql://xbn@db/optuna"),  # no password: unchanged
+    ("sqlite:///mlflow.db", "sqlite:///mlflow.db"),
+    ("journal:tuning/optuna.journal", "journal:tuning/optuna.journal"),
+])
+def test_mask_secrets(text, masked):
+    assert mask_secrets(text) == masked
+    assert SECRET not in str(redact({"a": [text, (text,)]}))
+
+
+def test_the_shipped_params_hold_no_credential():
+    flat = flatten(load_params(ROOT / "params.yaml"))
+    assert not [k for k, v in flat.items() if isinstance(v, str) and has_password(v)]
+    assert SECRET not in yaml.safe_dump(flat)
+
+
+def test_a_run_logs_uris_with_their_password_masked(params, caplog):
+    params.tune.storage = f"postgresql://xbn:{SECRET}@db.internal:5432/optuna"
+    with caplog.at_level(logging.INFO):
+        with pipeline_run(params, "train", new=True) as run:
+            pass
+    logged = MlflowClient(params.tracking.uri).get_run(run.run_id).data.params
+    assert logged["tune.storage"] == "postgresql://xbn:***@db.internal:5432/optuna"
+    assert not [k for k, v in logged.items() if SECRET in v]
+    assert SECRET not in caplog.text
