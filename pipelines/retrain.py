@@ -1,4 +1,4 @@
-"""The scheduled retraining flow: validate -> train -> evaluate -> register/promote.
+"""The scheduled retraining flow: validate -> train -> refine -> evaluate -> register/promote.
 
 Every task calls one function of `xbn.stages`; no stage logic lives here. Transient failures (a service that
 blinked, a killed worker) are retried, and a retried `train` resumes from its last checkpoint; bad data and bad
@@ -66,6 +66,13 @@ def train_model(params: Params) -> dict:
 
 
 @task(**TASK_OPTIONS)
+def refine_embeddings(params: Params) -> dict:
+    from xbn.stages.refine import refine
+
+    return refine(params)  # a 'disabled' marker only, unless refine.enabled
+
+
+@task(**TASK_OPTIONS)
 def evaluate_model(params: Params) -> dict:
     from xbn.stages.evaluate import evaluate
 
@@ -104,7 +111,10 @@ def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None
     params = load_params(params_path, overrides)
     if params.tracking.enabled:
         # One MLflow run per flow run: every stage task joins it through the environment.
-        from xbn.tracking import PARENT_RUN_ENV, pipeline_run
+        from xbn.tracking import PARENT_RUN_ENV, pipeline_run, tracking_uri
+        from xbn.tracking.services import check_reachable
+
+        check_reachable(tracking_uri(params))  # a store that is down fails the flow now, not after training
 
         with pipeline_run(params, "retrain", new=True) as run:
             os.environ[PARENT_RUN_ENV] = run.run_id
@@ -119,6 +129,7 @@ def _run_stages(params: Params) -> dict:
     prepare_data(params)
     validate_data(params)
     train_model(params)
+    refine_embeddings(params)
     metrics = evaluate_model(params)
     decision = register_model(params)
     create_markdown_artifact(markdown=summary_markdown(params, metrics, decision), key="xbn-retrain-summary",

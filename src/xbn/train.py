@@ -18,6 +18,7 @@ import sys
 
 from xbn import distributed
 from xbn.config import ConfigError, Params, load_params
+from xbn.utils.errors import ServiceUnavailableError
 
 EXIT_CONFIG, EXIT_DATA = 2, 3
 
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DatasetError, FileNotFoundError) as exc:
         print(f"xbn.train: {exc}", file=sys.stderr)
         return EXIT_DATA
+    except ServiceUnavailableError as exc:
+        print(f"xbn.train: {exc}", file=sys.stderr)
+        return 4
     if main_rank:
         print(json.dumps(summary, indent=2, default=str))
     return 0

@@ -55,7 +55,7 @@ def project(tmp_path):
 def test_dvc_repro_end_to_end_then_noop(project):
     path, env = project
     out = run(["dvc", "repro"], path, env)
-    for stage in ("generate", "prepare", "validate", "train", "evaluate", "register"):
+    for stage in ("generate", "prepare", "validate", "train", "refine", "evaluate", "register"):
         assert f"Running stage '{stage}'" in out, stage
     metrics = json.loads((path / "metrics/eval.json").read_text())
     assert 0 <= metrics["recall@1"] <= 1 and "map@r" in metrics

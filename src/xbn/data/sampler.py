@@ -14,7 +14,26 @@ import numpy as np
 from xbn.data.errors import DatasetError
 
 
-class ClassBalancedBatchSampler:
+class EpochSeededBatchSampler:
+    """What every batch sampler here shares: a length in batches and an epoch that, with the seed, fixes the
+    epoch's batches (`set_epoch` before iterating; iterating does not advance it)."""
+
+    def __init__(self, seed: int, batches_per_epoch: int | None) -> None:
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0 (it seeds numpy's SeedSequence), got {seed}")
+        if batches_per_epoch is not None and batches_per_epoch < 1:
+            raise ValueError(f"batches_per_epoch must be >= 1, got {batches_per_epoch}")
+        self.seed, self.epoch = seed, 0
+        self.batches_per_epoch = batches_per_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+
+class ClassBalancedBatchSampler(EpochSeededBatchSampler):
     """Yield batches (lists of row indices) of `batch_size // samples_per_class` distinct classes, each with
     `samples_per_class` images; for `DataLoader(batch_sampler=...)`.
 
@@ -39,10 +58,7 @@ class ClassBalancedBatchSampler:
                 f"batch_size ({batch_size}) must be a positive multiple of "
                 f"samples_per_class ({samples_per_class})"
             )
-        if seed < 0:
-            raise ValueError(f"seed must be >= 0 (it seeds numpy's SeedSequence), got {seed}")
-        if batches_per_epoch is not None and batches_per_epoch < 1:
-            raise ValueError(f"batches_per_epoch must be >= 1, got {batches_per_epoch}")
+        super().__init__(seed, batches_per_epoch)
         _, codes = np.unique(np.asarray(labels), return_inverse=True)
         codes = codes.reshape(-1)
         groups = np.split(np.argsort(codes, kind="stable"), np.cumsum(np.bincount(codes))[:-1])
@@ -58,14 +74,6 @@ class ClassBalancedBatchSampler:
         self.effective_batch_size = self.classes_per_batch * samples_per_class
         n_images = sum(len(g) for g in self._groups)
         self.batches_per_epoch = batches_per_epoch or max(1, n_images // self.effective_batch_size)
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.batches_per_epoch
 
     def _draw(self, rng: np.random.Generator, members: np.ndarray) -> np.ndarray:
         m = self.samples_per_class

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from xbn.data import ImageDataset, build_transform, encode_labels
+from xbn.data.dataset import collate_skipping
 from xbn.evaluation.metrics import retrieval_metrics
+
+log = logging.getLogger(__name__)
 
 
 def autocast(device: torch.device, enabled: bool = True):
@@ -19,20 +23,27 @@ def autocast(device: torch.device, enabled: bool = True):
 
 
 def image_loader(frame: pd.DataFrame, root: str | Path, labels: np.ndarray, transform, batch_size: int,
-                 num_workers: int, device: torch.device) -> DataLoader:
-    dataset = ImageDataset(frame, root, labels, transform)
+                 num_workers: int, device: torch.device, skip_unreadable: bool = False) -> DataLoader:
+    """`skip_unreadable`: unreadable images are left out of their batch (see `embed`'s `kept`)."""
+    dataset = ImageDataset(frame, root, labels, transform, skip_unreadable=skip_unreadable)
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+                      collate_fn=collate_skipping if skip_unreadable else None,
                       pin_memory=device.type == "cuda", persistent_workers=False)
 
 
 @torch.no_grad()
 def embed(model: torch.nn.Module, loader: DataLoader, device: torch.device, amp: bool = True,
-          channels_last: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """All embeddings of a loader's images (float32, in dataset order) and their integer labels."""
+          channels_last: bool = False, kept: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """All embeddings of a loader's images (float32, in dataset order) and their integer labels; `kept`, if
+    given, receives the dataset indices embedded (fewer than the dataset's when images were skipped)."""
     was_training = model.training
     model.eval()
     chunks, labels = [], []
-    for images, targets, _ in loader:
+    for images, targets, indices in loader:
+        if kept is not None:
+            kept.extend(int(i) for i in indices)
+        if not len(targets):  # every image of the batch was skipped
+            continue
         images = images.to(device, non_blocking=True)
         if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
@@ -63,15 +74,44 @@ def evaluate_split(model: torch.nn.Module, manifest: pd.DataFrame, root: str | P
     transform = build_transform(image_size, training=False, mean=mean, std=std)
     queries, references = retrieval_protocol(manifest, split)
 
+    skipped: list[str] = []
+
     def run(frame):
+        # An image that became unreadable after `validate` is left out and named, not fatal.
         loader = image_loader(frame, root, frame["label"].map(codes).to_numpy(), transform, batch_size,
-                              num_workers, device)
-        return embed(model, loader, device, amp, channels_last)
+                              num_workers, device, skip_unreadable=True)
+        kept: list[int] = []
+        result = embed(model, loader, device, amp, channels_last, kept=kept)
+        lost = sorted(set(range(len(frame))) - set(kept))
+        if lost:
+            skipped.extend(frame["path"].iloc[lost].tolist())
+            log.warning("%s split: %d unreadable image(s) left out: %s", split, len(lost),
+                        ", ".join(frame["path"].iloc[lost]))
+        return result
 
     q_emb, q_lab = run(queries)
     r_emb, r_lab = run(references) if references is not None else (None, None)
     metrics = retrieval_metrics(q_emb, q_lab, r_emb, r_lab, ks=tuple(ks), chunk_size=query_chunk,
                                 device=str(device), nmi=nmi)
+    # Counted (the `num_` prefix keeps it out of the quality scores) and named, for eval.json.
+    metrics["num_skipped_images"] = len(skipped)
+    metrics["skipped_images"] = skipped
     if return_embeddings:
         return metrics, (q_emb, q_lab, r_emb, r_lab)
     return metrics
+
+
+def embed_split(model: torch.nn.Module, manifest: pd.DataFrame, root: str | Path, split: str, *, image_size: int,
+                mean, std, batch_size: int, num_workers: int, device: torch.device, amp: bool = True,
+                channels_last: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Embeddings and integer labels of one split's rows, in manifest order (e.g. `train` for the
+    embedding-space metrics of `embedding_space.py`)."""
+    frame = manifest[manifest["split"] == split]
+    if frame.empty:
+        raise ValueError(f"the manifest has no '{split}' rows to embed")
+    codes = dict(zip(manifest["label"], encode_labels(manifest["label"])))
+    transform = build_transform(image_size, training=False, mean=mean, std=std)
+    # The rows only feed statistics: an image unreadable since `validate` is left out (and logged).
+    loader = image_loader(frame, root, frame["label"].map(codes).to_numpy(), transform, batch_size, num_workers,
+                          device, skip_unreadable=True)
+    return embed(model, loader, device, amp, channels_last)

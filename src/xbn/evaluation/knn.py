@@ -36,6 +36,7 @@ def knn_search(
     exclude_self: bool = False,
     chunk_size: int = 4096,
     device: Any = "cpu",
+    exclude: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The k most similar references of each query: (similarities float32 [Nq, k], indices int64 [Nq, k]).
 
@@ -45,6 +46,8 @@ def knn_search(
     duplicate of the query is kept as a neighbour; if duplicates push the query out of its own k+1, the last
     neighbour is dropped instead. `device` "cpu" uses faiss `IndexFlatIP`; a CUDA device uses a faiss GPU
     index when faiss has GPU support, else torch matmul + topk on that device.
+    `exclude` (int array [Nq]) drops reference `exclude[i]` from query i's list the same way: leave-one-out
+    when the queries are transformed copies of the references (refined queries against the plain set).
     """
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"k must be a positive integer, got {k!r}")
@@ -62,19 +65,27 @@ def knn_search(
     if exclude_self and not same_object and not np.array_equal(q, r):
         raise ValueError("exclude_self=True is leave-one-out: queries and references must be the same set")
 
-    k = min(int(k), len(r) - int(exclude_self))
+    if exclude is not None:
+        if exclude_self:
+            raise ValueError("pass exclude_self or exclude, not both")
+        exclude = np.asarray(exclude, dtype=np.int64)
+        if exclude.shape != (len(q),):
+            raise ValueError(f"exclude must hold one reference index per query, got shape {exclude.shape}")
+    drop = exclude_self or exclude is not None
+    k = min(int(k), len(r) - int(drop))
     sims = np.empty((len(q), k), dtype=np.float32)
     idx = np.empty((len(q), k), dtype=np.int64)
     if k == 0:  # leave-one-out on a single embedding: there is no neighbour to return
         return sims, idx
-    k_search = k + int(exclude_self)
+    k_search = k + int(drop)
 
     search = _search_fn(r, k_search, device)
     for start in range(0, len(q), chunk_size):
         stop = min(start + chunk_size, len(q))
         d_chunk, i_chunk = search(q[start:stop])
-        if exclude_self:
-            d_chunk, i_chunk = _drop_self(d_chunk, i_chunk, np.arange(start, stop))
+        if drop:
+            own = np.arange(start, stop) if exclude is None else exclude[start:stop]
+            d_chunk, i_chunk = _drop_self(d_chunk, i_chunk, own)
         sims[start:stop] = d_chunk
         idx[start:stop] = i_chunk
     return sims, idx

@@ -32,6 +32,7 @@ def retrieval_metrics(
     device: Any = "cpu",
     nmi: bool = True,
     seed: int = 0,
+    exclude: Any = None,
 ) -> dict[str, float]:
     """Recall@k for each k in `ks`, MAP@R, R-precision and NMI of L2-normalized embeddings.
 
@@ -42,7 +43,9 @@ def retrieval_metrics(
     `queries_without_match`; if no query is left, the kNN metrics are NaN. NMI clusters all query embeddings
     (faiss k-means, one cluster per distinct query label, `seed` fixed); `nmi=False` skips it and leaves the
     key out. Returns `recall@{k}`..., `map@r`, `r_precision`, `nmi`, `num_queries` (all queries given),
-    `num_references` and `queries_without_match`.
+    `num_references` and `queries_without_match`. `exclude` (with references; int array [Nq]) leaves
+    reference `exclude[i]` out of query i's search and of its R: leave-one-out when query i is a transformed
+    copy of reference i (a refined query against the plain set).
     """
     ks = _check_ks(ks)
     leave_one_out = reference_emb is None
@@ -66,13 +69,21 @@ def retrieval_metrics(
     _, codes = np.unique(np.concatenate([q_labels, r_labels]), return_inverse=True)
     q_codes, r_codes = codes[: len(q_labels)], codes[len(q_labels) :]
     num_relevant = np.bincount(r_codes, minlength=codes.max() + 1)[q_codes] - int(leave_one_out)
+    if exclude is not None:
+        if leave_one_out:
+            raise ValueError("exclude needs reference_emb (without it the search is leave-one-out already)")
+        exclude = np.asarray(exclude, dtype=np.int64)
+        if exclude.shape != (len(queries),):
+            raise ValueError(f"exclude must hold one reference index per query, got shape {exclude.shape}")
+        num_relevant = num_relevant - (r_codes[exclude] == q_codes)
     has_match = num_relevant > 0
 
     out: dict[str, float] = {}
     if has_match.any():
         k = max(max(ks), int(num_relevant.max()))
         _, idx = knn_search(
-            queries, references, k, exclude_self=leave_one_out, chunk_size=chunk_size, device=device
+            queries, references, k, exclude_self=leave_one_out, chunk_size=chunk_size, device=device,
+            exclude=exclude,
         )
         out.update(_knn_metrics(idx, q_codes, r_codes, num_relevant, ks, chunk_size))
     else:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
 from xbn import distributed
-from xbn.config import Params
+from xbn.config import ConfigError, Params
 from xbn.losses import build_loss, build_miner
+from xbn.losses.memvir import MemVir
+from xbn.losses.rho import RhoRegularizedMiner
 from xbn.memory.cross_batch import AdaptiveCrossBatchMemory
 from xbn.memory.moments import AdaptiveKalmanMoments, BatchMoments, EMAMoments, KalmanMoments
 
-__all__ = ["AdaptiveCrossBatchMemory", "Criterion", "build_criterion", "build_moments", "memory_rows"]
+__all__ = ["AdaptiveCrossBatchMemory", "Criterion", "build_criterion", "build_moments", "build_mpn_loss",
+           "memory_rows"]
 
 
 def build_moments(params: Params) -> nn.Module | None:
@@ -41,6 +45,10 @@ class Criterion(nn.Module):
     the loss is taken against the whole memory (XBM); from `start_iteration` on only, and with the minibatch
     loss added when `add_batch_loss` (XBM*).
 
+    With `mpn_loss` (Intra-Batch, `model.mpn`) the MPN's cross-entropies replace the minibatch ranking loss;
+    a memory method then adds its cross-batch ranking loss on the backbone embeddings, which are what the
+    memory stores and what inference uses (the MPN itself sees the current batch only).
+
     Under data parallelism each rank passes its slice of the global batch; the slices are gathered in rank
     order, so the loss, the miner and the memory (hence AXBN's R = r/|B|) all see the global batch, and every
     rank's memory holds the same rows in the same order. Each rank's gradient flows only through its own
@@ -49,9 +57,11 @@ class Criterion(nn.Module):
     """
 
     def __init__(self, loss: nn.Module, miner: nn.Module | None, memory: AdaptiveCrossBatchMemory | None = None,
-                 start_iteration: int = 0, add_batch_loss: bool = False):
+                 start_iteration: int = 0, add_batch_loss: bool = False,
+                 mpn_loss: nn.Module | None = None):
         super().__init__()
         self.loss, self.miner, self.memory = loss, miner, memory
+        self.mpn_loss = mpn_loss
         self.start_iteration, self.add_batch_loss = start_iteration, add_batch_loss
         self.iteration = 0
 
@@ -72,8 +82,14 @@ class Criterion(nn.Module):
             labels = distributed.gather_rows(labels)
         use_memory = self.memory is not None and self.iteration >= self.start_iteration
         self.iteration += 1
+        if self.mpn_loss is not None:  # Intra-Batch replaces the batch ranking loss; a memory loss adds to it
+            loss = self.mpn_loss(embeddings, labels)
+            return loss + self.memory_loss(embeddings, labels) if use_memory else loss
         if not use_memory:
             return self.batch_loss(embeddings, labels)
+        return self.memory_loss(embeddings, labels)
+
+    def memory_loss(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = self.memory(embeddings, labels)
         if self.add_batch_loss:
             loss = loss + self.batch_loss(embeddings, labels)
@@ -83,12 +99,46 @@ class Criterion(nn.Module):
         return dict(self.memory.last_diagnostics) if self.memory is not None else {}
 
 
-def build_criterion(params: Params, num_train_images: int) -> Criterion:
-    loss = build_loss(params.loss.name, params.loss.params)
+def build_mpn_loss(params: Params, train_labels) -> nn.Module | None:
+    """The Intra-Batch loss of `model.mpn` (nulls: the paper's setting for the dataset), or None."""
+    from xbn.losses.mpn import IntraBatchLoss
+    from xbn.models.mpn import MessagePassingNetwork
+
+    cfg = params.model.mpn.resolved(params.data.dataset)
+    if not cfg.enabled:
+        return None
+    if train_labels is None:
+        raise ValueError("model.mpn.enabled needs the training labels to size its classifiers")
+    mpn = MessagePassingNetwork(params.model.embedding_dim, cfg.layers, cfg.heads, cfg.ffn_multiplier,
+                                cfg.dropout)
+    return IntraBatchLoss(mpn, train_labels, cfg.temperature, cfg.label_smoothing, cfg.aux_weight)
+
+
+def build_criterion(params: Params, num_train_images: int, train_labels=None,
+                    steps_per_epoch: int | None = None) -> Criterion:
+    """`train_labels` (the training split's, 0..C-1) size classification/proxy losses; `steps_per_epoch`
+    (default num_train_images // batch_size) turns loss.memvir.warmup_epochs into steps."""
+    num_classes = len(np.unique(np.asarray(train_labels))) if train_labels is not None else None
+    loss = build_loss(params.loss.name, params.loss.params, num_classes=num_classes,
+                      embedding_size=params.model.embedding_dim)
+    if any(isinstance(getattr(loss, slot, None), nn.Parameter) for slot in ("W", "proxies")):
+        if params.memory.method != "none":  # PML's CrossBatchMemory passes ref_emb, which these refuse
+            raise ConfigError(f"loss.name={params.loss.name} keeps class weights and cannot be taken against "
+                              f"a cross-batch memory: set memory.method=none (got {params.memory.method})")
+        if num_classes is not None and int(np.max(train_labels)) >= num_classes:
+            raise ValueError(f"loss.name={params.loss.name} indexes its class weights by label: the training "
+                             f"labels must be 0..{num_classes - 1}, got up to {int(np.max(train_labels))}")
+    if params.loss.memvir.enabled:
+        mv = params.loss.memvir
+        steps = steps_per_epoch or max(1, num_train_images // params.train.batch_size)
+        loss = MemVir(loss, num_classes or 0, mv.num_steps, mv.step_gap, round(mv.warmup_epochs * steps))
     miner = build_miner(params.loss.miner, params.loss.miner_params)
+    if params.loss.rho.p_switch > 0:  # Roth et al. 2020 Sec. 5; around all triplets when there is no miner
+        miner = RhoRegularizedMiner(miner, params.loss.rho.p_switch, seed=params.train.seed)
     memory = None
     if params.memory.method != "none":
         rows = memory_rows(params.memory.size, num_train_images, params.train.batch_size)
         memory = AdaptiveCrossBatchMemory(loss, params.model.embedding_dim, rows, miner=miner,
                                           moments=build_moments(params))
-    return Criterion(loss, miner, memory, params.memory.start_iteration, params.memory.add_batch_loss)
+    return Criterion(loss, miner, memory, params.memory.start_iteration, params.memory.add_batch_loss,
+                     mpn_loss=build_mpn_loss(params, train_labels))

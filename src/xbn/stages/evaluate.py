@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-
 from xbn.config import Params
 from xbn.data import read_manifest
 from xbn.evaluation.embed import evaluate_split
@@ -36,8 +35,17 @@ def evaluate(params: Params) -> dict:
             num_workers=params.data.num_workers, device=device, amp=params.train.amp,
             query_chunk=params.eval.query_chunk, **kwargs)
 
-    metrics, (q_emb, _, r_emb, _) = score(model, return_embeddings=True)
+    metrics, (q_emb, q_lab, r_emb, r_lab) = score(model, return_embeddings=True)
     metrics["epoch"] = checkpoint.get("epoch")
+    skipped = metrics.pop("skipped_images")  # logged by name; eval.json keeps the count (numbers only)
+    spectrum = _embedding_space(params, model, manifest, data_config, device, metrics, q_emb, q_lab, r_emb, r_lab)
+    if params.model.mpn.test_time:  # Intra-Batch's ablation: the MPN at test time, next to the plain metrics
+        metrics["mpn"] = _mpn_metrics(params, device, q_emb, q_lab, r_emb, r_lab)
+    from xbn.stages.refine import evaluate_refined
+
+    # Seed 001: refined queries against the plain references (same metric names), when the refiner is on.
+    if (refined := evaluate_refined(params, q_emb, q_lab, r_emb, r_lab, path, device)) is not None:
+        metrics["refined"] = refined
     if params.eval.baseline:
         seed_everything(params.train.seed)  # the same fresh head the training run started from
         untrained, _ = build_embedder(params.model)
@@ -45,10 +53,44 @@ def evaluate(params: Params) -> dict:
     write_json(params.eval.output, metrics)
     write_csv(Path(params.eval.output).with_name("recall_at_k.csv"),
               [{"k": k, "recall": metrics[f"recall@{k}"]} for k in params.eval.k])
+    write_csv(Path(params.eval.output).with_name("spectrum.csv"), spectrum,  # header only when disabled
+              ["index", "singular_value", "normalized"])
     if params.tracking.enabled:
-        _track(params, manifest, q_emb, r_emb)
+        # The grid pairs rows with embeddings: leave out the images the embedding pass skipped.
+        _track(params, manifest[~manifest["path"].isin(skipped)], q_emb, r_emb)
     log.info("R@1 %.4f  MAP@R %.4f -> %s", metrics["recall@1"], metrics["map@r"], params.eval.output)
     return metrics
+
+
+def _embedding_space(params: Params, model, manifest, data_config, device, metrics: dict, q_emb, q_lab, r_emb,
+                     r_lab) -> list[dict]:
+    """Roth et al. 2020's embedding-space metrics into `metrics` (top-level numbers, so they reach MLflow),
+    from the training split's embeddings and the evaluated split's; returns the training spectrum's rows."""
+    if not params.eval.embedding_space:
+        return []
+    from xbn.evaluation.embed import embed_split
+    from xbn.evaluation.embedding_space import embedding_space_metrics, spectrum_rows
+
+    train_emb, train_lab = embed_split(
+        model, manifest, params.data.root, "train", image_size=params.data.image_size, mean=data_config["mean"],
+        std=data_config["std"], batch_size=params.eval.batch_size, num_workers=params.data.num_workers,
+        device=device, amp=params.train.amp)
+    values, spectrum = embedding_space_metrics(
+        train_emb, train_lab, q_emb, q_lab, r_emb, r_lab, spectrum_skip=params.eval.spectrum_skip,
+        seed=params.train.seed, chunk_size=params.eval.query_chunk, device=str(device))
+    metrics.update(values)
+    return spectrum_rows(spectrum)
+
+
+def _mpn_metrics(params: Params, device, q_emb, q_lab, r_emb, r_lab) -> dict:
+    """Retrieval metrics after the trained MPN (`models/mpn.pt`) refines each embedding over its k-reciprocal
+    neighbourhood (`model.mpn.test_k`)."""
+    from xbn.evaluation.mpn_rerank import mpn_retrieval_metrics
+    from xbn.models.mpn import load_mpn
+
+    mpn = load_mpn(Path(params.train.checkpoint_dir) / "mpn.pt", map_location=device)
+    return mpn_retrieval_metrics(mpn, q_emb, q_lab, r_emb, r_lab, k=params.model.mpn.test_k, ks=params.eval.k,
+                                 chunk_size=params.eval.query_chunk, device=str(device))
 
 
 def _track(params: Params, manifest, query_embeddings, reference_embeddings) -> None:

@@ -141,6 +141,9 @@ def retrieval_grid_from_embeddings(
     `xbn.evaluation.embed.retrieval_protocol`. Only `n_queries` rows are scored, so large galleries are cheap.
     """
     q = np.asarray(query_embeddings, dtype=np.float32)
+    if len(q) != len(queries) or (references is not None and len(references) != len(reference_embeddings)):
+        raise ValueError("retrieval grid: the rows and the embeddings do not pair up (an image skipped as "
+                         "unreadable must be left out of the rows too)")
     leave_one_out = references is None
     if leave_one_out:
         references, r = queries, q

@@ -12,6 +12,7 @@ process would have seen.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import random
 from collections.abc import Iterator
@@ -86,3 +87,28 @@ class SeededSamples(Dataset):
         index, seed = row
         with seeded_rngs(seed):
             return self.dataset[index]
+
+
+class RequestedBatches:
+    """A batch sampler for the DataLoader that remembers the dataset indices of each batch it hands out, in
+    order, so the training loop can name the rows of a batch that never arrived (images the dataset skipped
+    as unreadable). The DataLoader delivers batches in the order it drew them, also with worker processes."""
+
+    def __init__(self, batches: Any) -> None:
+        self.batches = batches
+        self._pending: collections.deque[list[int]] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        self._pending.clear()
+        for rows in self.batches:
+            self._pending.append([int(r[0]) if isinstance(r, tuple) else int(r) for r in rows])
+            yield rows
+
+    def missing(self, received: Any) -> list[int]:
+        """The indices of the oldest outstanding batch that are not in `received` (that batch's indices)."""
+        requested = self._pending.popleft()
+        got = {int(i) for i in received}
+        return [i for i in requested if i not in got]

@@ -34,11 +34,15 @@ from tqdm import tqdm
 
 from xbn import distributed
 from xbn.config import Params
-from xbn.data import ClassBalancedBatchSampler, ImageDataset, build_transform, encode_labels, read_manifest
-from xbn.evaluation.embed import autocast, evaluate_split
+from xbn.data import ImageDataset, build_transform, encode_labels, read_manifest
+from xbn.data.dataset import collate_skipping
+from xbn.data.samplers import build_batch_sampler
+from xbn.evaluation.embed import autocast, evaluate_split, image_loader
+from xbn.evaluation.embed import embed as embed_images
 from xbn.memory import Criterion, build_criterion
 from xbn.models import build_embedder, save_embedder
-from xbn.training.batches import RankBatchSampler, SeededSamples
+from xbn.models.mpn import save_mpn
+from xbn.training.batches import RankBatchSampler, RequestedBatches, SeededSamples
 from xbn.training.diagnostics import FeatureDrift
 from xbn.utils.io import save_torch, write_json, write_text
 
@@ -80,6 +84,7 @@ class History:
     epochs: list[dict] = field(default_factory=list)
     best_score: float = -math.inf
     best_epoch: int = -1
+    skipped: list[str] = field(default_factory=list)  # unreadable training images, skipped (paths)
 
 
 class Trainer:
@@ -99,8 +104,9 @@ class Trainer:
         train_frame = self.manifest[self.manifest["split"] == "train"]
         if train_frame.empty:
             raise ValueError(f"{p.data.manifest} has no 'train' rows")
-        codes = dict(zip(self.manifest["label"], encode_labels(self.manifest["label"])))
-        train_labels = train_frame["label"].map(codes).to_numpy()
+        # The training classes as 0..C-1 (sorted, as over the whole manifest): classification/proxy losses
+        # index their class weights by label.
+        train_labels = encode_labels(train_frame["label"])
 
         self.model, self.data_config = build_embedder(p.model)
         if self.world_size > 1 and not p.model.freeze_bn:
@@ -114,23 +120,37 @@ class Trainer:
             self.model.to(memory_format=torch.channels_last)
         mean, std = self.data_config["mean"], self.data_config["std"]
         self.eval_transform = build_transform(p.data.image_size, training=False, mean=mean, std=std)
+        # An image that became unreadable after `validate` is skipped and counted, not fatal; not under DDP,
+        # where a rank's smaller slice would break the gather of the global batch: there it still raises.
         train_set = ImageDataset(train_frame, p.data.root, train_labels,
-                                 build_transform(p.data.image_size, training=True, mean=mean, std=std))
+                                 build_transform(p.data.image_size, training=True, mean=mean, std=std),
+                                 skip_unreadable=self.world_size == 1)
+        self.train_paths = train_set.paths
         # train.batch_size is the global batch; each rank loads its slice of it.
-        batches = ClassBalancedBatchSampler(train_labels, p.train.batch_size, p.train.samples_per_class,
-                                            seed=p.train.seed)
+        batches = build_batch_sampler(p.train.sampler, train_labels, p.train.batch_size,
+                                      p.train.samples_per_class, seed=p.train.seed)
+        if hasattr(batches, "observe") and self.world_size > 1:
+            # Every rank must draw the same global batch, hence hold the same bank bit for bit: not supported.
+            raise ValueError(f"train.sampler.name={p.train.sampler.name} (an embedded sampler) runs in one "
+                             f"process only; use spc_n or spc_r with {self.world_size} processes")
+        self.batches = batches
+        self._bank_source = (train_frame, train_labels)  # embedded samplers: the initial embedding pass
         self.sampler = RankBatchSampler(batches, self.rank, self.world_size, seed=p.train.seed)
         self.loader_generator = torch.Generator()
-        self.loader = DataLoader(SeededSamples(train_set), batch_sampler=self.sampler,
-                                 num_workers=p.data.num_workers,
+        self.requested = RequestedBatches(self.sampler)  # names the rows a batch lost
+        self.loader = DataLoader(SeededSamples(train_set), batch_sampler=self.requested,
+                                 collate_fn=collate_skipping, num_workers=p.data.num_workers,
                                  pin_memory=self.device.type == "cuda", generator=self.loader_generator,
                                  persistent_workers=False)
-        probe_set = ImageDataset(train_frame, p.data.root, train_labels, self.eval_transform)
+        probe_set = ImageDataset(train_frame, p.data.root, train_labels, self.eval_transform,
+                                 skip_unreadable=True)
         probe_idx = np.linspace(0, len(probe_set) - 1, min(p.train.probe_size, len(probe_set))).astype(int)
-        self.probe = torch.stack([probe_set[int(i)][0] for i in probe_idx])
+        probes = [probe_set[int(i)] for i in probe_idx]
+        self.probe = torch.stack([s[0] for s in probes if s is not None])
         self.drift = FeatureDrift()
 
-        self.criterion: Criterion = build_criterion(p, len(train_set)).to(self.device)
+        self.criterion: Criterion = build_criterion(p, len(train_set), train_labels,
+                                                     steps_per_epoch=len(self.sampler)).to(self.device)
         self.has_val = (self.manifest["split"] == "val").any()
         self.history = History()
         self.epoch = 0  # epochs completed
@@ -147,11 +167,24 @@ class Trainer:
         if self._in_warmup(epoch):
             self.model.set_backbone_trainable(False)
             self._wrap()
-            return torch.optim.SGD(self.model.head_parameters(), lr=t.warmup_lr, momentum=0.9), None
+            groups = [{"params": list(self.model.head_parameters())}, *self._criterion_groups(t.warmup_lr)]
+            return torch.optim.SGD(groups, lr=t.warmup_lr, momentum=0.9), None
         self.model.set_backbone_trainable(True)
         self._wrap()
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        groups = [{"params": list(self.model.parameters())}, *self._criterion_groups(t.lr)]
+        optimizer = torch.optim.AdamW(groups, lr=t.lr, weight_decay=t.weight_decay)
         return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, t.lr_step_epochs, t.lr_gamma)
+
+    def _criterion_groups(self, lr: float) -> list[dict]:
+        """The loss side's trainable parameters (e.g. the Intra-Batch MPN and its classifiers) as their own
+        param group, trained in both phases. Under DDP they need no gradient all-reduce: every rank computes
+        the criterion on the same gathered global batch, so their gradients agree (up to dropout masks, which
+        are drawn per rank)."""
+        # The loss's class weights/proxies (e.g. NormalizedSoftmaxLoss.W) at loss.lr_multiplier x lr.
+        own = [q for q in self.criterion.loss.parameters() if q.requires_grad]
+        rest = [q for q in self.criterion.parameters() if q.requires_grad and id(q) not in set(map(id, own))]
+        groups = [{"params": own, "lr": lr * self.params.loss.lr_multiplier}] if own else []
+        return groups + ([{"params": rest}] if rest else [])
 
     def _wrap(self) -> None:
         """(Re)wrap the model in DDP after its trainable set changed: DDP reduces the gradients of exactly
@@ -179,8 +212,10 @@ class Trainer:
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "criterion": self.criterion.state_dict(),
             "drift": self.drift.state_dict(),
+            "sampler": self.batches.state_dict() if hasattr(self.batches, "state_dict") else None,
             "history": {"steps": self.history.steps, "epochs": self.history.epochs,
-                        "best_score": self.history.best_score, "best_epoch": self.history.best_epoch},
+                        "best_score": self.history.best_score, "best_epoch": self.history.best_epoch,
+                        "skipped": self.history.skipped},
         }
 
     def resume(self, path: str | Path | None = None) -> bool:
@@ -202,8 +237,11 @@ class Trainer:
                 self.scheduler.load_state_dict(state["scheduler"])
         self.criterion.load_state_dict(state["criterion"])
         self.drift.load_state_dict(state["drift"])
+        if state.get("sampler") is not None and hasattr(self.batches, "load_state_dict"):
+            self.batches.load_state_dict(state["sampler"])  # the embedded samplers' bank
         h = state["history"]
-        self.history = History(h["steps"], h["epochs"], float(h["best_score"]), int(h["best_epoch"]))
+        self.history = History(h["steps"], h["epochs"], float(h["best_score"]), int(h["best_epoch"]),
+                               list(h.get("skipped", [])))
         log.info("resumed from %s at epoch %d (iteration %d)", path, self.epoch, self.iteration)
         return True
 
@@ -245,6 +283,7 @@ class Trainer:
                 if best:
                     save_embedder(self.checkpoint_dir / "model.pt", self.model, self.params.model,
                                   self.data_config, {"epoch": self.epoch, "metrics": row})
+                    self._save_mpn()
                 save_torch(self.checkpoint_dir / "last.pt", self._state())
                 self._write_metrics(time.perf_counter() - start)
                 if self.on_epoch:
@@ -254,13 +293,21 @@ class Trainer:
         if self.is_main and not (self.checkpoint_dir / "model.pt").exists():
             save_embedder(self.checkpoint_dir / "model.pt", self.model, self.params.model, self.data_config,
                           {"epoch": 0, "metrics": self.history.epochs[-1] if self.history.epochs else {}})
+            self._save_mpn()
             self._write_metrics(time.perf_counter() - start)
         distributed.barrier()
         return self.summary()
 
+    def _save_mpn(self) -> None:
+        # The Intra-Batch MPN of the selected epoch, for evaluate's test-time option (a stub without one).
+        mpn_loss = self.criterion.mpn_loss
+        save_mpn(self.checkpoint_dir / "mpn.pt", mpn_loss.mpn if mpn_loss is not None else None)
+
     def _train_epoch(self) -> float:
         p = self.params.train
         epoch_seed = p.seed * 100_003 + self.epoch
+        if hasattr(self.batches, "observe") and not self.batches.ready:
+            self._fill_bank()  # before the reseeding below: its DataLoader draws from the global RNG
         # Distinct per rank, rank 0's being the single-process seed: a stochastic layer then draws independent
         # masks on each rank's slice instead of repeating rank 0's.
         seed_everything(epoch_seed * self.world_size + self.rank)
@@ -270,28 +317,49 @@ class Trainer:
         losses = []
         bar = tqdm(self.loader, desc=f"epoch {self.epoch + 1}/{self.total_epochs}", leave=False,
                    disable=not (self.progress and self.is_main), mininterval=2)
-        for images, labels, _ in bar:
-            images = images.to(self.device, non_blocking=True)
-            if self.channels_last:
-                images = images.contiguous(memory_format=torch.channels_last)
-            labels = labels.to(self.device, non_blocking=True)
-            with autocast(self.device, self.amp):
-                embeddings = self.net(images)
-            loss = self.criterion(embeddings, labels)  # the global batch's loss: the same value on every rank
-            if not torch.isfinite(loss):
-                raise NonFiniteLossError(
-                    f"loss is {loss.item()} at epoch {self.epoch + 1}, iteration {self.iteration + 1} "
-                    f"(embeddings finite: {bool(torch.isfinite(embeddings).all())}); the last good checkpoint "
-                    f"is {self.checkpoint_dir / 'last.pt'}")
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
+        for images, labels, indices in bar:
+            if missing := self.requested.missing(indices):
+                self._record_skipped(missing)
+                if not len(labels):
+                    continue
+            loss, embeddings = self.step(images, labels)
+            if hasattr(self.batches, "observe"):  # embedded samplers: refresh the bank with this batch
+                self.batches.observe(indices, embeddings.detach())
             self.iteration += 1
             losses.append(loss.item())
             if self.is_main and self.iteration % p.log_every == 0:
                 self._log_step(losses[-1])
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
         return float(np.mean(losses)) if losses else float("nan")
+
+    def step(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimisation step on a batch (the benchmarks time exactly this); returns the loss and the
+        embeddings. A non-finite loss stops before the update, so the weights stay the last good ones."""
+        images = images.to(self.device, non_blocking=True)
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        labels = labels.to(self.device, non_blocking=True)
+        with autocast(self.device, self.amp):
+            embeddings = self.net(images)
+        loss = self.criterion(embeddings, labels)  # the global batch's loss: the same value on every rank
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(
+                f"loss is {loss.item()} at epoch {self.epoch + 1}, iteration {self.iteration + 1} "
+                f"(embeddings finite: {bool(torch.isfinite(embeddings).all())}); the last good checkpoint "
+                f"is {self.checkpoint_dir / 'last.pt'}")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return loss, embeddings
+
+    def _fill_bank(self) -> None:
+        """The embedded sampler's initial bank: one pass over the training images with the eval transform
+        (Roth et al.'s `create_storage`); later steps refresh it row by row."""
+        frame, labels = self._bank_source
+        p = self.params
+        loader = image_loader(frame, p.data.root, labels, self.eval_transform, p.eval.batch_size,
+                              p.data.num_workers, self.device)
+        self.batches.fill(embed_images(self.model, loader, self.device, self.amp, self.channels_last)[0])
 
     def _log_step(self, loss: float) -> None:
         with autocast(self.device, self.amp):
@@ -313,7 +381,14 @@ class Trainer:
             "untrained_val_recall@1": epochs[0].get("val_recall@1") if epochs else None,
             "final_loss": epochs[-1]["loss"] if epochs else None,
             "memory_rows": self.criterion.memory.memory_size if self.criterion.memory is not None else 0,
+            "skipped_images": len(self.history.skipped),
         }
+
+    def _record_skipped(self, indices: list[int]) -> None:
+        paths = [self.train_paths[i] for i in indices]
+        log.warning("epoch %d: batch trained without %d unreadable image(s): %s", self.epoch + 1, len(paths),
+                    ", ".join(paths))
+        self.history.skipped = sorted(set(self.history.skipped) | set(paths))
 
     def _write_metrics(self, seconds: float) -> None:
         write_json(self.metrics_dir / "train.json", {**self.summary(), "train_seconds": round(seconds, 1)})

@@ -1,0 +1,91 @@
+"""rho-regularization (Roth et al. 2020, "Revisiting Training Strategies and Generalization Performance in Deep
+Metric Learning", ICML, Sec. 5): with probability `p_switch` a mined negative is replaced by another positive of
+its anchor, so the ranking loss also pushes same-class samples apart. That keeps more directions of the embedding
+space in use (a flatter singular value spectrum, a lower rho spectral decay) and generalizes better.
+
+`RhoRegularizedMiner` wraps any PML miner (or, without one, all triplets: B x M x M candidates against a
+memory of M rows, so configure a miner there) and rewrites its output:
+
+- triplets (a, p, n) become (a, p, p'), p' a positive of a other than a itself and, where a has another one,
+  other than p (with p' = p the triplet would carry no gradient). Roth's reference code writes (a, a, p')
+  instead; the (a, p, p') form keeps a real anchor-positive pull in the same term.
+- pairs (a1, p, a2, n): each negative pair (a2, n) becomes (a2, p'), p' a positive of a2 other than a2 itself,
+  still passed as a negative pair, so pair losses push it away. The positive pairs are left as they are.
+
+A tuple whose anchor has no positive to switch to is kept as it is. The draws come from a seeded
+`torch.Generator` (CPU) kept in `state_dict`; `last_switched` counts the tuples switched at the last call.
+"""
+
+from __future__ import annotations
+
+import torch
+from pytorch_metric_learning.miners import BaseMiner
+from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
+from torch import nn
+
+from xbn.losses.miners import positive_negative_masks
+
+
+class RhoRegularizedMiner(BaseMiner):
+    def __init__(self, miner: nn.Module | None, p_switch: float, seed: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        if not 0.0 <= p_switch <= 1.0:
+            raise ValueError(f"p_switch must lie in [0, 1], got {p_switch}")
+        self.miner, self.p_switch = miner, float(p_switch)
+        self.generator = torch.Generator().manual_seed(int(seed))
+        self.last_switched = 0
+
+    def get_extra_state(self):
+        return {"generator": self.generator.get_state()}
+
+    def set_extra_state(self, state):
+        self.generator.set_state(state["generator"])
+
+    def mine(self, embeddings, labels, ref_emb, ref_labels):
+        if self.miner is not None:
+            tuples = self.miner(embeddings, labels, ref_emb, ref_labels)
+        else:  # PML's own default for triplet losses; `ref_labels is labels` drops the diagonal
+            tuples = lmu.get_all_triplets_indices(labels, ref_labels)
+        if len(tuples) not in (3, 4):
+            raise ValueError(f"rho-regularization needs (a, p, n) triplets or (a1, p, a2, n) pairs; the miner "
+                             f"returned a tuple of {len(tuples)} index tensors")
+        anchors, negatives = (tuples[0], tuples[2]) if len(tuples) == 3 else (tuples[2], tuples[3])
+        avoid = tuples[1] if len(tuples) == 3 else None
+        switch = torch.rand(len(anchors), generator=self.generator).to(anchors.device) < self.p_switch
+        self.last_switched = 0
+        if not switch.any():
+            return tuples
+        positives, _ = positive_negative_masks(embeddings, labels, ref_emb, ref_labels)
+        idx = torch.where(switch)[0]
+        replacement, ok = self._draw_positive(positives, anchors[idx], None if avoid is None else avoid[idx])
+        negatives = negatives.clone()
+        negatives[idx[ok]] = replacement[ok]
+        self.last_switched = int(ok.sum())
+        return (tuples[0], tuples[1], negatives) if len(tuples) == 3 else (*tuples[:3], negatives)
+
+    def _draw_positive(self, positives: torch.Tensor, anchors: torch.Tensor, avoid: torch.Tensor | None):
+        """A uniform positive column of each anchor's row (other than `avoid` where the row has another one),
+        and whether the row had any positive. Written by hand: it indexes the flat sorted list of positive
+        pairs (O(P + k)), never a [k, M] mask, so a large memory and many triplets stay cheap."""
+        width = positives.shape[1]
+        rows, cols = torch.where(positives)  # row-major: sorted by row, then column
+        counts = torch.bincount(rows, minlength=positives.shape[0])
+        offsets = torch.cumsum(counts, 0) - counts
+        n, start = counts[anchors], offsets[anchors]
+        skip = torch.zeros_like(anchors, dtype=torch.bool)
+        rank = torch.zeros_like(anchors)
+        if avoid is not None and len(rows):
+            keys = rows * width + cols
+            at = torch.searchsorted(keys, anchors * width + avoid).clamp(max=len(keys) - 1)
+            skip = (keys[at] == anchors * width + avoid) & (n > 1)
+            rank = at - start
+        choices = n - skip.long()
+        u = torch.rand(len(anchors), generator=self.generator).to(anchors.device)
+        r = torch.minimum((u * choices).long(), (choices - 1).clamp(min=0))
+        r = r + (skip & (r >= rank)).long()
+        ok = n > 0
+        picked = cols[(start + r).clamp(max=max(len(cols) - 1, 0))] if len(cols) else torch.zeros_like(anchors)
+        return picked, ok
+
+
+__all__ = ["RhoRegularizedMiner"]

@@ -1,0 +1,121 @@
+"""rho-regularization (Roth et al. 2020 Sec. 5): a mined negative becomes another positive of its anchor with
+probability p_switch, for triplet and pair tuples, seeded, with its generator in state_dict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pytorch_metric_learning import miners
+from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
+from torch import nn
+
+from xbn.config import load_params
+from xbn.losses.miners import RandomTripletMiner
+from xbn.losses.rho import RhoRegularizedMiner
+from xbn.memory import build_criterion
+
+
+def batch(n_classes=16, per_class=4, dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = nn.functional.normalize(torch.randn(n_classes * per_class, dim, generator=g), dim=1)
+    return x, torch.arange(n_classes).repeat_interleave(per_class)
+
+
+def all_pairs_miner():
+    return miners.PairMarginMiner(pos_margin=0.0, neg_margin=10.0)  # every pair lies within these margins
+
+
+def test_p_switch_one_replaces_every_negative_by_another_positive():
+    x, y = batch()
+    a, p, n = lmu.get_all_triplets_indices(y)
+    a2, p2, n2 = RhoRegularizedMiner(None, 1.0, seed=0)(x, y)  # no miner: around all triplets
+    assert torch.equal(a2, a) and torch.equal(p2, p)
+    assert (y[n2] == y[a]).all()  # every negative is now a positive of its anchor
+    assert (n2 != a).all() and (n2 != p).all()  # never the anchor itself, never the triplet's positive
+
+
+def test_p_switch_zero_leaves_the_miner_output_unchanged():
+    x, y = batch()
+    expected = RandomTripletMiner(seed=5)(x, y)
+    wrapped = RhoRegularizedMiner(RandomTripletMiner(seed=5), 0.0, seed=0)
+    out = wrapped(x, y)
+    assert all(torch.equal(o, e) for o, e in zip(out, expected))
+    assert wrapped.last_switched == 0
+
+
+def test_p_switch_switches_that_fraction_of_the_triplets():
+    x, y = batch()  # 16 classes x 4: 64 anchors x 3 positives x 60 negatives = 11520 triplets
+    rho = RhoRegularizedMiner(None, 0.3, seed=1)
+    a, p, n = rho(x, y)
+    switched = y[n] == y[a]
+    assert len(a) == 11520
+    assert int(switched.sum()) == rho.last_switched
+    assert abs(switched.double().mean().item() - 0.3) < 0.015  # 3.5 sigma of a binomial(11520, 0.3)
+    _, _, n_all = lmu.get_all_triplets_indices(y)
+    assert torch.equal(n[~switched], n_all[~switched])  # the others are untouched
+
+
+def test_pairs_switch_the_negative_pairs_only():
+    x, y = batch(n_classes=4)
+    a1, p, a2, n = all_pairs_miner()(x, y)
+    out = RhoRegularizedMiner(all_pairs_miner(), 1.0, seed=2)(x, y)
+    assert torch.equal(out[0], a1) and torch.equal(out[1], p) and torch.equal(out[2], a2)
+    assert (y[out[3]] == y[a2]).all() and (out[3] != a2).all()  # (a2, p'): a same-class "negative" pair
+
+
+def test_an_anchor_with_a_single_positive_switches_to_it():
+    # Class 0 has two samples: the only positive other than the anchor is the triplet's own positive.
+    y = torch.tensor([0, 0, 1, 1, 1, 2])
+    x = nn.functional.normalize(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)), dim=1)
+    a, p, n = RhoRegularizedMiner(None, 1.0)(x, y)
+    single = y[a] == 0
+    assert torch.equal(n[single], p[single])
+    assert (n[~single] != p[~single]).all() and (y[n] == y[a]).all()
+
+
+def test_against_a_memory_the_switched_positive_is_never_the_anchor_own_row():
+    old, old_y = batch(seed=1)
+    x, y = batch(n_classes=8, per_class=2, seed=2)
+    ref, ref_y = torch.cat([old, x]), torch.cat([old_y, y])
+    a, p, n = RhoRegularizedMiner(RandomTripletMiner(num_triplets=500), 1.0)(x, y, ref, ref_y)
+    assert (ref_y[n] == y[a]).all() and (n != a + len(old)).all() and (n != p).all()
+
+
+def test_seeded_and_resumed_from_state_dict():
+    x, y = batch()
+    first = RhoRegularizedMiner(None, 0.5, seed=3)
+    assert torch.equal(first(x, y)[2], RhoRegularizedMiner(None, 0.5, seed=3)(x, y)[2])
+    state = first.state_dict()
+    expected = first(x, y)[2]
+    resumed = RhoRegularizedMiner(None, 0.5, seed=0)
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed(x, y)[2], expected)
+
+
+def test_refuses_tuples_that_are_neither_triplets_nor_pairs():
+    class PairsOnly(nn.Module):
+        def forward(self, embeddings, labels, ref_emb=None, ref_labels=None):
+            return torch.tensor([0]), torch.tensor([1])
+
+    x, y = batch(n_classes=2)
+    with pytest.raises(ValueError, match="triplets or"):
+        RhoRegularizedMiner(PairsOnly(), 0.5)(x, y)
+    with pytest.raises(ValueError, match="p_switch"):
+        RhoRegularizedMiner(None, 1.5)
+
+
+def test_build_criterion_wraps_the_configured_miner_and_trains_through_a_memory():
+    params = load_params(None, ["memory.method=xbm", "memory.size=128", "model.embedding_dim=8",
+                                "loss.name=TripletMarginLoss", "loss.params={margin: 0.2}",
+                                "loss.miner=SoftHardMiner", "loss.miner_params={}", "loss.rho.p_switch=0.4"])
+    crit = build_criterion(params, num_train_images=1000)
+    assert isinstance(crit.miner, RhoRegularizedMiner) and crit.memory.miner is crit.miner
+    x, y = batch()
+    x.requires_grad_(True)
+    loss = crit(x, y)
+    loss.backward()
+    assert torch.isfinite(loss) and x.grad.abs().sum() > 0
+    assert crit.miner.last_switched > 0
+    assert any(k.endswith("miner._extra_state") for k in crit.state_dict())
+    plain = build_criterion(load_params(None, ["memory.method=none"]), num_train_images=1000)
+    assert type(plain.miner).__name__ == "PairMarginMiner"  # p_switch 0 (the default): no wrapper

@@ -1,0 +1,170 @@
+"""Intra-Batch message passing (model.mpn): network, loss, config, test-time refinement, end to end."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from xbn.config import ConfigError, Params, load_params
+from xbn.evaluation.mpn_rerank import mpn_retrieval_metrics, reciprocal_neighbours
+from xbn.losses.mpn import IntraBatchLoss
+from xbn.memory import build_criterion
+from xbn.models.mpn import MessagePassingNetwork, load_mpn
+from xbn.stages.evaluate import evaluate
+from xbn.stages.prepare import prepare
+from xbn.training.trainer import Trainer
+
+from tests_support import ROOT
+
+
+def _mpn(dim=16, layers=2, heads=4, dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    return MessagePassingNetwork(dim, layers, heads, ffn_multiplier=2, dropout=dropout)
+
+
+def test_shapes_and_heads():
+    mpn = _mpn(layers=2, heads=4)
+    assert len(mpn.layers) == 2
+    for layer in mpn.layers:
+        assert layer.self_attn.num_heads == 4 and layer.self_attn.head_dim == 4  # d/M wide, concatenated
+        assert layer.linear1.out_features == 32 and not layer.norm_first  # residual, then LayerNorm
+    assert mpn(torch.randn(10, 16)).shape == (10, 16)
+    assert mpn(torch.randn(3, 7, 16)).shape == (3, 7, 16)
+    with pytest.raises(ValueError, match="not divisible"):
+        MessagePassingNetwork(16, 1, 3)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_permutation_equivariant_over_the_batch(training):
+    mpn = _mpn().train(training)
+    x = torch.randn(12, 16)
+    perm = torch.randperm(12)
+    torch.testing.assert_close(mpn(x[perm]), mpn(x)[perm], rtol=1e-5, atol=1e-5)
+    # Every node sees the whole batch: changing one sample changes the others' outputs.
+    y = x.clone()
+    y[0] += 1.0
+    assert not torch.allclose(mpn(y)[1:], mpn(x)[1:])
+
+
+def test_padded_nodes_are_ignored():
+    mpn = _mpn().eval()
+    x = torch.randn(1, 5, 16)
+    padded = torch.cat([x, torch.randn(1, 3, 16)], dim=1)
+    mask = torch.tensor([[False] * 5 + [True] * 3])
+    with torch.no_grad():
+        torch.testing.assert_close(mpn(padded, mask)[:, :5], mpn(x), rtol=1e-5, atol=1e-5)
+
+
+def test_loss_equals_hand_computed_label_smoothed_ce_with_temperature():
+    # Manifest codes 3, 5, 9 are the training classes: the classifiers have 3 outputs, targets 0..2.
+    loss_fn = IntraBatchLoss(_mpn(), train_labels=np.array([9, 3, 5, 3, 9]), temperature=0.2,
+                             label_smoothing=0.1, aux_weight=0.5)
+    assert loss_fn.classifier.out_features == 3 and loss_fn.aux_classifier.out_features == 3
+    emb = F.normalize(torch.randn(6, 16), dim=-1)
+    labels = torch.tensor([3, 3, 5, 5, 9, 9])
+    targets = torch.tensor([0, 0, 1, 1, 2, 2])
+    mpn_logits, aux_logits = loss_fn.logits(emb)
+
+    def smoothed_ce(logits, eps=0.1, temperature=0.2):
+        log_p = torch.log_softmax(logits / temperature, dim=1)
+        q = torch.full_like(log_p, eps / 3)
+        q[torch.arange(6), targets] += 1 - eps
+        return -(q * log_p).sum(1).mean()
+
+    expected = smoothed_ce(mpn_logits) + 0.5 * smoothed_ce(aux_logits)
+    torch.testing.assert_close(loss_fn(emb, labels), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="not a training class"):
+        loss_fn(emb, torch.tensor([3, 3, 5, 5, 4, 4]))
+    with pytest.raises(ValueError, match="not a training class"):
+        loss_fn(emb, torch.tensor([3, 3, 5, 5, 12, 12]))
+
+
+def test_config_defaults_and_errors():
+    params = load_params(ROOT / "params.yaml", ["model.mpn.enabled=true"])
+    assert params.model.mpn.layers is None  # null in params.yaml: the paper's values for the dataset
+    cars = params.model.mpn.resolved("cars196")
+    assert (cars.layers, cars.heads) == (2, 8)
+    assert params.model.mpn.resolved("glyphs").temperature == 0.2  # CUB's
+    assert params.model.mpn.resolved("deepfashion2").heads == 4  # In-Shop's
+    with pytest.raises(ConfigError, match=r"model\.mpn\.test_time.*model\.mpn\.enabled"):
+        load_params(ROOT / "params.yaml", ["model.mpn.test_time=true"])
+    with pytest.raises(ConfigError, match=r"model\.embedding_dim \(510\).*model\.mpn\.heads \(4\)"):
+        load_params(ROOT / "params.yaml",
+                    ["model.mpn.enabled=true", "model.mpn.heads=4", "model.embedding_dim=510"])
+    with pytest.raises(ConfigError, match="model.mpn.label_smoothing"):
+        load_params(ROOT / "params.yaml", ["model.mpn.label_smoothing=1.5"])
+
+
+def test_composes_with_the_memory():
+    params = Params.model_validate({"model": {"embedding_dim": 16, "mpn": {"enabled": True, "heads": 2}},
+                                    "memory": {"method": "xbm"}, "loss": {"miner": None}})
+    labels = torch.arange(4).repeat_interleave(2)
+    criterion = build_criterion(params, 64, train_labels=labels.numpy())
+    emb = F.normalize(torch.randn(8, 16), dim=-1)
+    torch.manual_seed(0)
+    total = criterion(emb, labels)
+    torch.manual_seed(0)
+    mpn_only = criterion.mpn_loss(emb, labels)
+    assert total > mpn_only  # the XBM ranking loss on the backbone embeddings adds to the MPN losses
+    with pytest.raises(ValueError, match="training labels"):
+        build_criterion(params, 64)
+
+
+def test_reciprocal_neighbours_by_hand():
+    # Two tight pairs (0,1), (2,3) and an item 4 whose nearest, 3, has a nearer one (2).
+    x = torch.tensor([[1.0, 0.0], [0.99, 0.1], [0.0, 1.0], [0.1, 0.99], [0.45, 0.89]])
+    x = F.normalize(x, dim=1).numpy()
+    idx, valid = reciprocal_neighbours(x, x, 1, leave_one_out=True)
+    assert idx[:, 0].tolist() == [1, 0, 3, 2, 3]
+    assert valid[:, 0].tolist() == [True, True, True, True, False]
+    idx, valid = reciprocal_neighbours(x, x, 2, leave_one_out=True)  # 4 is in the two nearest of 3 and 2
+    assert idx[4].tolist() == [3, 2] and valid[4].tolist() == [True, True]
+    # Query -> gallery: reciprocal when the query beats the gallery item's k-th gallery match.
+    idx, valid = reciprocal_neighbours(x[4:], x[:4], 1, leave_one_out=False)
+    assert idx.tolist() == [[3]] and valid.tolist() == [[False]]
+
+
+def test_test_time_metrics_in_both_protocols():
+    mpn = _mpn().eval()
+    emb = F.normalize(torch.randn(20, 16), dim=-1).numpy()
+    labels = np.arange(20) // 4
+    loo = mpn_retrieval_metrics(mpn, emb, labels, k=3, ks=(1, 2))
+    qg = mpn_retrieval_metrics(mpn, emb[::2], labels[::2], emb[1::2], labels[1::2], k=3, ks=(1, 2), nmi=False)
+    for m in (loo, qg):
+        assert 0 <= m["recall@1"] <= m["recall@2"] <= 1 and 0 < m["reciprocal_neighbours"] <= 3
+
+
+@pytest.mark.slow
+def test_training_with_mpn_and_test_time_evaluation(tiny_params):
+    params = tiny_params("memory.method=none", "model.mpn.enabled=true", "model.mpn.test_time=true",
+                         "model.mpn.test_k=3", "train.epochs=1", "train.warmup_epochs=0",
+                         "eval.baseline=false")
+    prepare(params)
+    trainer = Trainer(params, progress=False)
+    train_classes = trainer.manifest.loc[trainer.manifest["split"] == "train", "label"].nunique()
+    assert trainer.criterion.mpn_loss.classifier.out_features == train_classes  # not val/test classes
+    before = {k: v.clone() for k, v in trainer.criterion.mpn_loss.state_dict().items()}
+    summary = trainer.fit()
+    assert summary["iterations"] > 0 and np.isfinite(summary["final_loss"])
+    after = trainer.criterion.mpn_loss.state_dict()
+    assert not torch.equal(before["mpn.layers.0.linear1.weight"], after["mpn.layers.0.linear1.weight"])
+    saved = torch.load("models/last.pt", weights_only=True)["criterion"]
+    assert any(k.startswith("mpn_loss.mpn.layers.0") for k in saved)
+    assert isinstance(load_mpn("models/mpn.pt"), MessagePassingNetwork)
+
+    metrics = evaluate(params)
+    written = json.loads(Path("metrics/eval.json").read_text())
+    assert 0 <= written["recall@1"] <= 1 and 0 <= written["mpn"]["recall@1"] <= 1  # both metric sets
+    assert written["mpn"]["num_queries"] == metrics["num_queries"]
+
+
+@pytest.mark.slow
+def test_without_mpn_a_stub_is_written_and_test_time_refuses_it(tiny_params):
+    params = tiny_params("memory.method=none", "train.epochs=0", "train.warmup_epochs=0")
+    prepare(params)
+    Trainer(params, progress=False).fit()
+    with pytest.raises(ValueError, match="model.mpn.enabled=false"):
+        load_mpn("models/mpn.pt")
