@@ -1,0 +1,103 @@
+"""Training throughput on a GPU: ResNet-50, 224 px, batch 64, bfloat16 autocast, channels_last; real vs synthetic.
+
+    python -m benchmarks gpu [--quick] [--steps 30] [--warmup 5] [--num-workers 8]
+
+The trainer's own pieces (`xbn.training.trainer.Trainer` with `model.backbone=resnet50 model.pretrained=none
+data.image_size=224 train.device=cuda train.amp=true train.channels_last=true`, the memory criterion of
+params.yaml) on the generated glyph set (rendered at 224 px). Two rates, images/s:
+  synthetic  one batch already on the GPU, reused: the model + loss + optimizer alone
+  real       the training loader feeding the GPU (decode, augment, pin, copy), as in `Trainer._train_epoch`
+Their ratio says whether the input pipeline keeps the GPU busy. Without CUDA it writes `status: not run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import machine_info, write_result
+
+PACKAGES = ("torch", "torchvision", "timm", "pytorch-metric-learning")
+
+
+def _rate(trainer, batches, steps: int, warmup: int) -> float:
+    it = iter(batches)
+    for _ in range(warmup):
+        images, labels, *_ = next(it)
+        trainer.step(images, labels)
+    torch.cuda.synchronize()
+    start, n = time.perf_counter(), 0
+    for _ in range(steps):
+        images, labels, *_ = next(it)
+        trainer.step(images, labels)
+        n += len(images)
+    torch.cuda.synchronize()
+    return n / (time.perf_counter() - start)
+
+
+def _repeat(batch):
+    while True:
+        yield batch
+
+
+def _cycle(loader):
+    while True:
+        yield from loader
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1))
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="5 steps")
+    parser.add_argument("--output", default="gpu")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup = 5, 2
+    command = "python -m benchmarks gpu " + " ".join(sys.argv[2:] if argv is None else argv)
+    info = machine_info(PACKAGES)
+    if not torch.cuda.is_available():
+        result = {"benchmark": "training throughput on a GPU", "command": command.strip(), "machine": info,
+                  "status": "not run: no GPU lent (CUDA not available)", "loadavg": os.getloadavg()}
+        write_result(args.output, result)
+        print(result["status"])
+        return result
+    from benchmarks.loader_bench import build_trainer
+
+    torch.backends.cudnn.benchmark = True
+    overrides = ["model.backbone=resnet50", "model.pretrained=none", "data.image_size=224",
+                 "data.glyphs.image_size=224", f"data.num_workers={args.num_workers}", "train.device=cuda",
+                 "train.amp=true", "train.channels_last=true", f"train.batch_size={args.batch}"]
+    with tempfile.TemporaryDirectory(prefix="xbn_gpu_") as tmp:
+        trainer, params, _ = build_trainer(Path(tmp), overrides)
+        first = next(iter(trainer.loader))
+        images, labels = first[0].cuda(), first[1].cuda()
+        synthetic = _rate(trainer, _repeat((images, labels)), args.steps, args.warmup)
+        real = _rate(trainer, _cycle(trainer.loader), args.steps, args.warmup)
+    result = {
+        "benchmark": "training throughput on a GPU", "command": command.strip(),
+        "machine": info | {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda},
+        "status": "ok", "loadavg": os.getloadavg(),
+        "settings": {"backbone": "resnet50", "image_size": 224, "batch": args.batch, "amp": "bfloat16",
+                     "channels_last": True, "num_workers": args.num_workers, "steps": args.steps,
+                     "memory": params.memory.method},
+        "synthetic_images_per_s": round(synthetic, 1), "real_images_per_s": round(real, 1),
+        "real_to_synthetic_ratio": round(real / synthetic, 3),
+        "peak_gpu_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+    }
+    write_result(args.output, result)
+    print(f"synthetic {synthetic:.1f} img/s, real {real:.1f} img/s, ratio {real / synthetic:.3f}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

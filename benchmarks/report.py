@@ -1,0 +1,271 @@
+"""Render docs/benchmarks.md from benchmarks/results/*.json (whatever exists), targets met or missed.
+
+    python -m benchmarks report
+
+Each section names its own command, machine, package versions, machine load and the date of its results file,
+since benchmarks are re-run one at a time.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import RESULTS_DIR, markdown_table
+from xbn.utils.io import write_text
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+ADAPTIVE = ("xbn", "axbn", "axbn_auto", "ema")
+MEMORY_TARGET = 1.02
+
+
+def _load(name: str) -> dict[str, Any] | None:
+    path = RESULTS_DIR / f"{name}.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    data["_date"] = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    data["_file"] = f"benchmarks/results/{name}.json"
+    return data
+
+
+def _header(data: dict[str, Any]) -> str:
+    m = data.get("machine", {})
+    versions = ", ".join(f"{k} {v}" for k, v in m.get("packages", {}).items() if v)
+    extra = f", GPU {m['gpu']}" if m.get("gpu") else ""
+    return (f"- command: `{data.get('command', '?')}`\n"
+            f"- results: `{data['_file']}` ({data['_date']}, commit {str(m.get('git_commit') or m.get('cloned_commit'))[:10]})\n"
+            f"- machine: {m.get('cpu')} x {m.get('cpus')} cores, {m.get('ram_gb')} GB RAM{extra}, "
+            f"Python {m.get('python')}; {versions}")
+
+
+def _verdict(met: bool | None) -> str:
+    return "not measurable" if met is None else ("**met**" if met else "**missed**")
+
+
+def memory_section(data: dict[str, Any]) -> str:
+    rows = data["rows"]
+    order = ("xbn", "axbn", "axbn_auto", "ema", "pml", "none")
+    methods = [m for m in order if m in rows[0]["ms_per_step"]]
+    cpu = "cpu_ratio_to_xbm" in rows[0] and rows[0]["device"] == "cpu"
+    basis = "cpu_ratio_to_xbm" if cpu else "ratio_to_xbm"
+    ms = "cpu_ms_per_step" if cpu else "ms_per_step"
+    table = [[r["memory_size"], r["batch"], r[ms]["xbm"], *[r[basis][m] for m in methods],
+              r.get("loadavg_before", [None])[0]] for r in rows]
+    threads = data["machine"].get("threads")
+    sizes = ", ".join(f"{r // 1024}k" for r in sorted({r["memory_size"] for r in rows}))
+    steps = ", ".join(str(x) for x in sorted({r["steps"] for r in rows}))
+    out = [f"## 1. Memory adaptation overhead ({rows[0]['device']}, M = {sizes}, {steps} steps)", "", _header(data), "",
+           f"Steps measured per method and setting: {steps} (after warm-up).", "",
+           "Loss + memory update per training step (SupCon + pair-margin miner against a full memory, forward and "
+           "backward), synthetic unit-norm embeddings, d = 512, no backbone. The methods run round-robin in one "
+           "process (the starting method rotates each step), so contention falls on all alike; medians over the "
+           "steps, and each method's ratio to the median `xbm` step **of the same run**. `pml` is "
+           "pytorch-metric-learning's `CrossBatchMemory` used directly; `none` is the loss on the minibatch alone.",
+           ""]
+    if cpu:
+        out += [f"On the CPU the ratios are of **process CPU time** per step (`time.process_time`, torch with "
+                f"{threads} thread(s)): the machine was oversubscribed (load average in the table, 2 cores), which "
+                "inflates wall times by an order of magnitude with stalls that hit whichever step is running; the CPU "
+                "time is what the step costs. Wall-time ratios are in the second table and in the JSON.", ""]
+    out += [markdown_table(["M", "B", f"xbm {'CPU ' if cpu else ''}ms/step", *[f"{m} / xbm" for m in methods],
+                            "load (1 min)"], table), ""]
+    if cpu:
+        wall = [[r["memory_size"], r["batch"], r["ms_per_step"]["xbm"], *[r["ratio_to_xbm"][m] for m in methods]]
+                for r in rows]
+        out += ["Wall time (same run, noisier):", "",
+                markdown_table(["M", "B", "xbm wall ms/step", *[f"{m} / xbm" for m in methods]], wall), ""]
+    return "\n".join(out)
+
+
+def memory_verdict(runs: list[dict[str, Any]]) -> str:
+    """The 64k target over every run that measured 64k: each run's CPU-time ratio, their mean, the verdict."""
+    found: dict[tuple[int, str], list[float]] = {}
+    for data in runs:
+        for r in data["rows"]:
+            if r["memory_size"] >= 65536 and "cpu_ratio_to_xbm" in r:
+                for m in ADAPTIVE:
+                    found.setdefault((r["batch"], m), []).append(r["cpu_ratio_to_xbm"][m])
+    if not found:
+        return ""
+    rows = []
+    for (batch, m), values in sorted(found.items()):
+        mean = sum(values) / len(values)
+        rows.append([batch, m, ", ".join(f"{v:.3f}" for v in values), round(mean, 3), _verdict(mean <= MEMORY_TARGET)])
+    return "\n".join([
+        f"### 1. Target at 64k over the runs above (CPU time, ratio to xbm <= {MEMORY_TARGET})", "",
+        markdown_table(["B", "method", "per run", "mean", "target"], rows), "",
+        "Reading: a step's CPU-time median moves by a few percent between runs (xbn does strictly less work than "
+        "axbn, yet each run has one above the other), so at B = 64 the overhead is at the noise level, about 0-4%, "
+        "and the target's 2% cannot be confirmed or refuted with this many steps (the verdicts on the mean above are "
+        "that close); at B = 16 every adaptive method is "
+        "above it in both runs (+3-8%). The cost that remains is the eager rewrite of all M x d stored rows per "
+        "step (one fused pass, memory-bound), which does not shrink with the batch while the loss does; applying "
+        "the composed affine map lazily (in the similarity, baked into the rows only now and then) would remove it. "
+        "pml / xbm is about 1.0: the running sums this memory keeps cost nothing measurable next to PML's own "
+        "CrossBatchMemory.", ""])
+
+
+def eval_section(data: dict[str, Any]) -> str:
+    rows = data["rows"]
+    by = {(r["n"], r["contender"]): r for r in rows}
+    out = ["## 2. Evaluation at scale", "", _header(data), "",
+           "Leave-one-out retrieval on clustered random unit vectors (d = 512, 2-8 images per class); each "
+           "contender in its own child process, peak RSS from `wait4`, capped at "
+           f"{data['settings']['mem_limit_gb']:g} GB. Loads before each child are in the JSON.", "",
+           data["table"], ""]
+    n_max = max(r["n"] for r in rows)
+    ours, pml = by.get((n_max, "ours")), by.get((n_max, "pml"))
+    out.append("Targets:")
+    out.append("")
+    if ours and pml and pml["status"] == "ok":
+        ratio = pml["knn_s"] / ours["knn_s"]
+        out.append(f"- >= 3x faster than AccuracyCalculator at N={n_max}: {ratio:.2f}x -> {_verdict(ratio >= 3)}")
+    elif ours and pml:
+        lower = [(n, by[(n, 'pml')]["knn_s"] / by[(n, 'ours')]["knn_s"]) for n in sorted({r["n"] for r in rows})
+                 if by.get((n, "pml"), {}).get("status") == "ok" and by.get((n, "ours"), {}).get("status") == "ok"]
+        out.append(f"- >= 3x faster than AccuracyCalculator at N={n_max}: AccuracyCalculator did not finish "
+                   f"({pml['status']}), ours did in {ours['knn_s']:.0f} s -> no ratio at {n_max}; "
+                   + "; ".join(f"at N={n}: {q:.2f}x" for n, q in lower) + " (kNN metrics time) -> "
+                   + ("**missed** at the sizes where both ran" if lower and max(q for _, q in lower) < 3 else "see table"))
+    if ours:
+        out.append(f"- peak <= 2 GB at N={n_max}: ours {ours['peak_rss_gb']:.2f} GB -> "
+                   f"{_verdict(ours['peak_rss_gb'] <= 2)}")
+    for contender in ("pml", "sklearn"):
+        diffs = [(r["n"], r["max_abs_diff_vs_ours"]) for r in rows
+                 if r["contender"] == contender and "max_abs_diff_vs_ours" in r]
+        if diffs:
+            n, worst = max(diffs, key=lambda d: d[1])
+            out.append(f"- identical values to {contender}: largest |difference| over the shared metrics "
+                       f"{worst:.2g} (N={n}; sizes compared: {', '.join(str(d[0]) for d in diffs)}) -> "
+                       f"{_verdict(worst < 1e-9)}" + ("" if worst < 1e-9 else
+                       f" (one query in {round(1 / worst):,} ranked differently: float32 near-ties broken in a "
+                       "different order by a differently rounded distance)" if worst < 1e-4 else ""))
+    out.append("")
+    return "\n".join(out)
+
+
+def eval_recheck_section(data: dict[str, Any]) -> str:
+    by = {r["contender"]: r for r in data["rows"]}
+    ours, pml = by.get("ours"), by.get("pml")
+    diffs = ", ".join(f"{c} {r['max_abs_diff_vs_ours']:.2g}" for c, r in by.items() if "max_abs_diff_vs_ours" in r)
+    return "\n".join([
+        f"Re-check with the current code at N = {data['rows'][0]['n']} (`{data['command']}`, {data['_date']}, "
+        f"commit {str(data['machine'].get('git_commit'))[:10]}, load {ours['loadavg_1min_before']:.1f}): "
+        f"AccuracyCalculator / ours = {pml['knn_s'] / ours['knn_s']:.2f}x (kNN metrics), peak RSS "
+        f"{pml['peak_rss_gb']:.2f} vs {ours['peak_rss_gb']:.2f} GB; largest |difference| with ours: {diffs}. "
+        "The 60k and 120k rows above were not re-run in this session (about 15 minutes of an idle machine's CPU; "
+        "AccuracyCalculator runs out of memory at 120k anyway).", ""])
+
+
+def loader_section(data: dict[str, Any]) -> str:
+    from benchmarks.loader_bench import render
+
+    s, cfg = data["summary"], data["settings"]
+    return "\n".join([
+        "## 3. Data pipeline vs model (CPU)", "", _header(data), "",
+        f"The trainer's own loader (glyph default, {cfg['glyph_classes']} classes, {cfg['image_size']} px, "
+        f"{cfg['num_workers']} workers, batch {cfg['batch_size']}) and its training step ({cfg['backbone']}, "
+        f"memory `{cfg['memory']}` with {cfg['memory_rows']} rows, backbone trainable, AdamW), measured in "
+        f"{cfg['rounds']} alternating rounds; medians.", "", render(data), "",
+        f"Target: loader >= 1.5x the model's rate: {s['loader_to_model_ratio']:.2f}x (rounds: "
+        f"{', '.join(f'{x:.2f}' for x in s['per_round_ratios'])}) -> {_verdict(s['target_met'])}. "
+        f"Both together run at {s['train_to_model_ratio']:.2f}x the model alone (the workers share the 2 cores "
+        "with the step).", ""])
+
+
+def gpu_section(data: dict[str, Any] | None) -> str:
+    out = ["## 4. Training throughput on a GPU", "",
+           "`python -m benchmarks gpu`: ResNet-50, 224 px, batch 64, bfloat16 autocast, channels_last, the trainer's "
+           "step and memory criterion; real input (the training loader) vs a synthetic batch already on the GPU. "
+           "On a GPU machine: `python -m benchmarks gpu` and `python -m benchmarks memory --device cuda` (the latter "
+           "writes `memory_cuda.json`, rendered in section 1).", ""]
+    if data is None or data.get("status") != "ok":
+        out += ["**not run: no GPU lent** to this session" + (f" ({data['status']})" if data else "") + ".", ""]
+        return "\n".join(out)
+    out += [_header(data), "", markdown_table(["input", "images/s"], [["synthetic", data["synthetic_images_per_s"]],
+                                                                    ["real", data["real_images_per_s"]]]), "",
+            f"real / synthetic = {data['real_to_synthetic_ratio']:.3f}; peak GPU memory {data['peak_gpu_memory_gb']} GB.", ""]
+    return "\n".join(out)
+
+
+def pipeline_section(data: dict[str, Any]) -> str:
+    from benchmarks.pipeline_bench import render
+
+    return "\n".join([
+        "## 5. Pipeline overhead (dvc repro)", "", _header(data), "",
+        "A fresh clone of the committed HEAD in a temporary folder, params.yaml reduced with "
+        f"`{' '.join(data['settings']['overrides'])}`; `dvc repro` runs every stage, each stage's `xbn` command "
+        "through a shell shim that records its wall and CPU time, so the stages' compute is measured inside the same "
+        "repro; then `dvc repro` again with nothing to do. (Timing the stages directly in a second clone before or "
+        "after the repro is unreliable on this shared machine: one such try, 680 s direct then 442 s repro, gave a "
+        "negative overhead because the load fell in between.)", "", render(data), "",
+        f"Overhead: {data['overhead_s']:.1f} s wall = **{data['overhead_pct']:.1f}%** of the stages' compute "
+        f"({data['overhead_cpu_s']:.1f} s CPU = {data['overhead_cpu_pct']:.1f}% in CPU time); fixed start-up (no-op "
+        f"repro) {data['dvc_repro_noop_s']:.1f} s wall, {data['dvc_repro_noop_cpu_s']:.1f} s CPU. Load average "
+        f"before/after: {data['loadavg_before'][0]:.1f} / {data['loadavg_after'][0]:.1f}.", ""])
+
+
+def omniglot_section(data: dict[str, Any]) -> str:
+    from benchmarks.omniglot import render
+
+    s, split = data["settings"], data.get("split", {})
+    done = [r for r in data["runs"] if "recall@1" in r]
+    failed = [r for r in data["runs"] if "error" in r]
+    out = ["## 6. Accuracy on real data: Omniglot", "", _header(data), "",
+           f"Omniglot background set, class-disjoint split (fixed seed): {split.get('train_classes')} training "
+           f"classes (of 700; {s['val_classes']:g} of them carved out for validation) and {split.get('test_classes')} "
+           f"test classes (of 264), {s['images_per_class']} drawings each; images {split.get('images')}. "
+           f"{s['image_size']} px, {s['warmup_epochs']} warm-up + {s['epochs']} epochs, default backbone and loss, "
+           f"memory.size = 1.0 (the whole training set); test = leave-one-out on the test split.", "",
+           f"{len(done)} runs finished" + (f", {len(failed)} failed" if failed else "") + f" in {data.get('elapsed_s', 0) / 60:.0f} min.", "",
+           render(data), ""]
+    seeds_done = sorted({r["seed"] for r in done})
+    full = len(s["methods"]) * len(s["batches"])
+    complete = [sd for sd in seeds_done if sum(r["seed"] == sd for r in done) == full]
+    out += [f"Reduced from the issue's grid (700 / 264 classes, 64 px, 2 + 12 epochs, 3 seeds, 36 runs) to fit the "
+            f"CPU time of a shared 2-core machine: {split.get('train_classes')} / {split.get('test_classes')} classes, "
+            f"{s['image_size']} px, {s['warmup_epochs']} + {s['epochs']} epoch(s), torch threads "
+            f"{s.get('threads') or 'default'}; seeds with all {full} configurations finished: "
+            f"{', '.join(map(str, complete)) or 'none'}"
+            + (" (the grid runs seed by seed and was stopped at the time budget)" if len(complete) < len(s["seeds"])
+               else "") + ". With one short epoch the memory fills only once per epoch at batch 64 (memory = training set), "
+            "so these numbers say little about the methods' ranking at full training length; where a configuration "
+            "has one seed its seed-to-seed spread is unknown, so differences of a few points are not a ranking.", ""]
+    png = DOCS / f"{data['_file'].rsplit('/', 1)[-1][:-5]}_recall.png"
+    if png.exists():
+        out += [f"![R@1 vs batch size]({png.name})", ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parts = ["# Benchmarks", "",
+             "Generated by `python -m benchmarks report` from `benchmarks/results/*.json`; `make bench` "
+             "(`python -m benchmarks all`) re-runs everything. The CPU machine has 2 cores shared with other jobs, "
+             "so absolute timings are noisy: every comparison below is a ratio of contenders measured **in the "
+             "same run**, and each result records the load average.", ""]
+    for name, section in (("memory_cpu", memory_section), ("memory_cpu_64k", memory_section),
+                          ("memory_cuda", memory_section),
+                          ("eval", eval_section), ("eval_recheck_10k", eval_recheck_section),
+                          ("loader", loader_section)):
+        data = _load(name)
+        if data:
+            parts.append(section(data))
+    memory_runs = [d for d in (_load("memory_cpu"), _load("memory_cpu_64k")) if d]
+    if memory_runs:
+        parts.insert(4 + len(memory_runs), memory_verdict(memory_runs))
+    parts.append(gpu_section(_load("gpu")))
+    for name, section in (("pipeline", pipeline_section), ("omniglot", omniglot_section)):
+        data = _load(name)
+        if data:
+            parts.append(section(data))
+    path = DOCS / "benchmarks.md"
+    write_text(path, "\n".join(parts).rstrip() + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
