@@ -6,6 +6,7 @@
     python -m benchmarks pipeline [--quick]
     python -m benchmarks omniglot [--quick] [--seeds ...] [--epochs ...] ...
     python -m benchmarks gpu      [--quick]            (CUDA only: records 'not run' otherwise)
+    python -m benchmarks methods  [--only ...] [--set ...]  (every method via dvc exp run; about 2 hours)
     python -m benchmarks all      [--quick]            (each of the above with its defaults, then the report)
     python -m benchmarks report                         (docs/benchmarks.md from the JSON files)
 
@@ -20,7 +21,7 @@ import argparse
 import sys
 import traceback
 
-NAMES = ("memory", "eval", "loader", "pipeline", "omniglot", "gpu")
+NAMES = ("memory", "eval", "loader", "pipeline", "omniglot", "gpu", "methods")
 
 
 def run(name: str, argv: list[str]) -> None:
@@ -42,6 +43,15 @@ def run(name: str, argv: list[str]) -> None:
         from benchmarks import pipeline_bench
 
         pipeline_bench.main(argv)
+    elif name == "methods":
+        from benchmarks import methods
+
+        if "--quick" in argv:
+            from benchmarks.pipeline_bench import QUICK
+
+            argv = [a for a in argv if a != "--quick"] + [f"--set={o}" for o in QUICK] + ["--output",
+                                                                                        "methods_quick"]
+        methods.main(argv)
     elif name == "gpu":
         from benchmarks import gpu_bench
 

@@ -119,3 +119,33 @@ def test_build_criterion_wraps_the_configured_miner_and_trains_through_a_memory(
     assert any(k.endswith("miner._extra_state") for k in crit.state_dict())
     plain = build_criterion(load_params(None, ["memory.method=none"]), num_train_images=1000)
     assert type(plain.miner).__name__ == "PairMarginMiner"  # p_switch 0 (the default): no wrapper
+
+
+def test_for_a_pair_loss_a_switched_pair_is_negative_only():
+    # SupCon (a pair loss) with triplets from a miner: PML would assert on a pair that is both positive and
+    # negative, which a switched (a, p') is whenever (a, p') is also a mined positive pair.
+    x, y = batch(n_classes=4)
+    rho = RhoRegularizedMiner(None, 0.5, seed=4, pairs=True)
+    a1, p, a2, n = rho(x, y)
+    positive, negative = set(zip(a1.tolist(), p.tolist())), set(zip(a2.tolist(), n.tolist()))
+    assert not positive & negative
+    switched = {(a, b) for a, b in negative if y[a] == y[b]}
+    assert 0 < len(switched) <= rho.last_switched  # the same pair may be drawn twice
+    all_a1, all_p, _, _ = lmu.get_all_pairs_indices(y)
+    assert positive == set(zip(all_a1.tolist(), all_p.tolist())) - switched  # only the switched ones left
+
+
+@pytest.mark.parametrize("miner", [["loss.miner=PairMarginMiner"],
+                                   ["loss.miner=DistanceWeightedMiner", "loss.miner_params={cutoff: 0.5}"]])
+def test_the_default_pair_loss_trains_with_rho_through_a_memory(miner):
+    params = load_params(None, ["memory.method=axbn", "memory.size=128", "model.embedding_dim=8",
+                                "loss.rho.p_switch=0.5", *miner])
+    crit = build_criterion(params, num_train_images=1000)
+    assert crit.miner.pairs  # SupConLoss is a pair loss
+    for seed in range(3):  # the memory fills, so switched pairs reach into it
+        x, y = batch(seed=seed)
+        x.requires_grad_(True)
+        loss = crit(x, y)
+        loss.backward()
+        assert torch.isfinite(loss)
+    assert crit.miner.last_switched > 0

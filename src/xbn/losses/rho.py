@@ -12,7 +12,11 @@ memory of M rows, so configure a miner there) and rewrites its output:
 - pairs (a1, p, a2, n): each negative pair (a2, n) becomes (a2, p'), p' a positive of a2 other than a2 itself,
   still passed as a negative pair, so pair losses push it away. The positive pairs are left as they are.
 
-A tuple whose anchor has no positive to switch to is kept as it is. The draws come from a seeded
+A tuple whose anchor has no positive to switch to is kept as it is.
+
+With `pairs=True` (the loss is a pair loss: PML's `GenericPairLoss`, e.g. SupCon, contrastive, multi-similarity)
+triplets are turned into pairs first, and a switched pair (a2, p') is taken out of the positive pairs: a pair
+loss cannot hold one pair as both (PML asserts on it), and rho means p' is pushed away from a2 at this step. The draws come from a seeded
 `torch.Generator` (CPU) kept in `state_dict`; `last_switched` counts the tuples switched at the last call.
 """
 
@@ -27,8 +31,9 @@ from xbn.losses.miners import positive_negative_masks
 
 
 class RhoRegularizedMiner(BaseMiner):
-    def __init__(self, miner: nn.Module | None, p_switch: float, seed: int = 0, **kwargs):
+    def __init__(self, miner: nn.Module | None, p_switch: float, seed: int = 0, pairs: bool = False, **kwargs):
         super().__init__(**kwargs)
+        self.pairs = pairs
         if not 0.0 <= p_switch <= 1.0:
             raise ValueError(f"p_switch must lie in [0, 1], got {p_switch}")
         self.miner, self.p_switch = miner, float(p_switch)
@@ -44,11 +49,15 @@ class RhoRegularizedMiner(BaseMiner):
     def mine(self, embeddings, labels, ref_emb, ref_labels):
         if self.miner is not None:
             tuples = self.miner(embeddings, labels, ref_emb, ref_labels)
-        else:  # PML's own default for triplet losses; `ref_labels is labels` drops the diagonal
+        elif self.pairs:  # PML's own defaults: all pairs for pair losses, all triplets for the others
+            tuples = lmu.get_all_pairs_indices(labels, ref_labels)
+        else:  # `ref_labels is labels` drops the diagonal
             tuples = lmu.get_all_triplets_indices(labels, ref_labels)
         if len(tuples) not in (3, 4):
             raise ValueError(f"rho-regularization needs (a, p, n) triplets or (a1, p, a2, n) pairs; the miner "
                              f"returned a tuple of {len(tuples)} index tensors")
+        if self.pairs and len(tuples) == 3:
+            tuples = lmu.convert_to_pairs(tuples, labels, ref_labels)
         anchors, negatives = (tuples[0], tuples[2]) if len(tuples) == 3 else (tuples[2], tuples[3])
         avoid = tuples[1] if len(tuples) == 3 else None
         switch = torch.rand(len(anchors), generator=self.generator).to(anchors.device) < self.p_switch
@@ -61,7 +70,14 @@ class RhoRegularizedMiner(BaseMiner):
         negatives = negatives.clone()
         negatives[idx[ok]] = replacement[ok]
         self.last_switched = int(ok.sum())
-        return (tuples[0], tuples[1], negatives) if len(tuples) == 3 else (*tuples[:3], negatives)
+        if len(tuples) == 3:
+            return tuples[0], tuples[1], negatives
+        a1, p = tuples[0], tuples[1]
+        if self.pairs:  # a switched pair is now a negative one only
+            width = positives.shape[1]
+            kept = ~torch.isin(a1 * width + p, anchors[idx[ok]] * width + replacement[ok])
+            a1, p = a1[kept], p[kept]
+        return a1, p, anchors, negatives
 
     def _draw_positive(self, positives: torch.Tensor, anchors: torch.Tensor, avoid: torch.Tensor | None):
         """A uniform positive column of each anchor's row (other than `avoid` where the row has another one),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from pytorch_metric_learning.losses import GenericPairLoss
 from torch import nn
 
 from xbn import distributed
@@ -134,7 +135,8 @@ def build_criterion(params: Params, num_train_images: int, train_labels=None,
         loss = MemVir(loss, num_classes or 0, mv.num_steps, mv.step_gap, round(mv.warmup_epochs * steps))
     miner = build_miner(params.loss.miner, params.loss.miner_params)
     if params.loss.rho.p_switch > 0:  # Roth et al. 2020 Sec. 5; around all triplets when there is no miner
-        miner = RhoRegularizedMiner(miner, params.loss.rho.p_switch, seed=params.train.seed)
+        miner = RhoRegularizedMiner(miner, params.loss.rho.p_switch, seed=params.train.seed,
+                                    pairs=isinstance(loss, GenericPairLoss))
     memory = None
     if params.memory.method != "none":
         rows = memory_rows(params.memory.size, num_train_images, params.train.batch_size)
