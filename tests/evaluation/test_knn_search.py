@@ -34,6 +34,17 @@ def test_matches_brute_force(exclude_self):
     np.testing.assert_allclose(sims, ref_sims, atol=1e-6)
 
 
+@pytest.mark.parametrize("block", [16, 50, 128, 299])
+def test_leave_one_out_by_symmetric_blocks_matches_brute_force(block):
+    # Blocks above the diagonal serve their rows and their columns; the last block is ragged and, at 16,
+    # narrower than k, so rows start with an unfilled top-k.
+    x = _unit(300, 24, seed=5)
+    sims, idx = knn_search(x, x, 25, exclude_self=True, chunk_size=block)
+    ref_sims, ref_idx = _brute_force(x, x, 25, exclude_self=True)
+    np.testing.assert_array_equal(idx, ref_idx)
+    np.testing.assert_allclose(sims, ref_sims, atol=1e-6)
+
+
 @pytest.mark.parametrize("chunk_size", [1, 7, 64])
 def test_chunking_does_not_change_the_result(chunk_size):
     x = _unit(200, 16, seed=2)
