@@ -58,3 +58,36 @@ def test_bad_data_fails_the_flow_without_retrying(prefect_harness, tmp_path, gly
         retrain(str(ROOT / "params.yaml"), [*TINY, f"data.root={broken}"])
     assert "image_decodes" in Path("reports/validation.md").read_text()
     assert not Path("models/model.pt").exists()
+
+
+def test_a_retried_train_task_resumes_from_the_last_checkpoint(prefect_harness, tmp_path, glyph_root, monkeypatch):
+    from prefect import flow
+
+    from pipelines.retrain import train_model
+    from xbn.config import load_params
+    from xbn.stages.prepare import prepare
+    from xbn.training.trainer import Trainer
+
+    monkeypatch.chdir(tmp_path)
+    params = load_params(ROOT / "params.yaml", [*TINY, f"data.root={glyph_root}"])
+    prepare(params)
+    uninterrupted = train_model.fn(params)  # the same run in one go, for comparison
+    Path("models/last.pt").unlink()
+    train_epoch, started = Trainer._train_epoch, []
+
+    def blinks_once(self):  # the disk goes away during the second epoch of the first attempt
+        started.append(self.epoch)
+        if started == [0, 1]:
+            raise OSError("the disk blinked")
+        return train_epoch(self)
+
+    monkeypatch.setattr(Trainer, "_train_epoch", blinks_once)
+
+    @flow
+    def only_train():
+        return train_model.with_options(retry_delay_seconds=0)(params)
+
+    summary = only_train()
+    assert started == [0, 1, 1, 2]  # the retry resumed at the failed epoch instead of starting over at 0
+    assert summary["epochs"] == uninterrupted["epochs"] == 3
+    assert summary["best_val_recall@1"] == uninterrupted["best_val_recall@1"]
