@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import machine_info, markdown_table, write_result
+from benchmarks.common import RESULTS_DIR, machine_info, markdown_table, write_result
 from benchmarks.pipeline_bench import clone, environment, reduce_params
 
 PACKAGES = ("torch", "timm", "pytorch-metric-learning", "faiss-cpu", "dvc")
@@ -47,11 +47,14 @@ METHODS: list[tuple[str, str, list[str]]] = [
     ("greedy_coreset", "AXBN, greedy-coreset batches", ["train.sampler.name=greedy_coreset"]),
     ("ddm", "AXBN, distance-distribution batches", ["train.sampler.name=ddm", "train.sampler.trials=16"]),
     ("frd", "AXBN, Frechet-distance batches", ["train.sampler.name=frd", "train.sampler.trials=16"]),
-    ("random_miner", "AXBN, random triplets", ["loss.miner=RandomTripletMiner", *NO_MARGINS]),
+    # `+...seed`: DVC's YAML writer corrupts params.yaml when `~` empties a mapping that carries comments.
+    ("random_miner", "AXBN, random triplets", ["loss.miner=RandomTripletMiner", *NO_MARGINS,
+                                               "+loss.miner_params.seed=0"]),
     ("semihard", "AXBN, semi-hard triplets", ["loss.miner=TripletMarginMiner", *NO_MARGINS,
                                               "+loss.miner_params.type_of_triplets=semihard",
                                               "+loss.miner_params.margin=0.2"]),
-    ("softhard", "AXBN, soft-hard triplets", ["loss.miner=SoftHardMiner", *NO_MARGINS]),
+    ("softhard", "AXBN, soft-hard triplets", ["loss.miner=SoftHardMiner", *NO_MARGINS,
+                                              "+loss.miner_params.seed=0"]),
     ("distance_weighted", "AXBN, distance-weighted", ["loss.miner=DistanceWeightedMiner", *NO_MARGINS,
                                                       "+loss.miner_params.cutoff=0.5",
                                                       "+loss.miner_params.nonzero_loss_cutoff=1.4"]),
@@ -88,7 +91,8 @@ def read_row(repo: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="+", choices=[m[0] for m in METHODS], help="a subset of the methods")
+    parser.add_argument("--only", nargs="+", choices=[m[0] for m in METHODS],
+                        help="a subset of the methods; their rows replace those in an existing results file")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         help="params override applied to every run alike (key=value)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary clone (printed)")
@@ -105,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "every method on the glyph default via dvc exp run, glyph test split",
         "command": command.strip(), "machine": machine_info(PACKAGES) | {"cloned_commit": commit},
         "settings": {"overrides_for_all": args.overrides}, "rows": []}
+    kept = _rows_to_keep(args)
     dvc = str(Path(sys.executable).parent / "dvc")
     start = time.perf_counter()
     with open(log, "ab") as fh:  # the shared stages once, so the first method's time is its own
@@ -115,14 +120,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.only and name not in args.only:
             continue
         seconds, error = run_method(repo, overrides, log)
-        row = {"method": name, "what": what, "overrides": overrides, "seconds": round(seconds, 1)}
+        row = {"method": name, "what": what, "overrides": overrides, "seconds": round(seconds, 1),
+               "commit": commit, "command": result["command"]}
         if error:
             row["error"] = error
         else:
             row.update(read_row(repo))
         result["rows"].append(row)
-        write_result(args.output, result)
+        write_result(args.output, result | {"rows": _in_order(kept + result["rows"])})
         print(f"{name}: {row.get('recall@1', row.get('error'))} ({seconds:.0f} s)", flush=True)
+    result["rows"] = _in_order(kept + result["rows"])
     print(render(result))
     if args.keep or any("error" in r for r in result["rows"]):  # keep the log of a failed run
         print(f"kept {tmp}")
@@ -131,6 +138,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         shutil.rmtree(tmp, ignore_errors=True)
     return result
+
+
+def _rows_to_keep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """With --only, the other methods' rows of an earlier run with the same reductions (each row records its
+    own commit and command)."""
+    path = RESULTS_DIR / f"{args.output}.json"
+    if not args.only or not path.exists():
+        return []
+    earlier = json.loads(path.read_text())
+    if earlier.get("settings", {}).get("overrides_for_all") != args.overrides:
+        return []
+    rows = [r for r in earlier["rows"] if r["method"] not in args.only]
+    for r in rows:
+        r.setdefault("commit", earlier["machine"].get("cloned_commit"))
+        r.setdefault("command", earlier["command"])
+    return rows
+
+
+def _in_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rank = {name: i for i, (name, _, _) in enumerate(METHODS)}
+    return sorted(rows, key=lambda r: rank.get(r["method"], len(rank)))
 
 
 def render(result: dict[str, Any]) -> str:

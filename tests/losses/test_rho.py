@@ -55,12 +55,23 @@ def test_p_switch_switches_that_fraction_of_the_triplets():
     assert torch.equal(n[~switched], n_all[~switched])  # the others are untouched
 
 
-def test_pairs_switch_the_negative_pairs_only():
+def test_pairs_switch_one_negative_pair_per_anchor():
     x, y = batch(n_classes=4)
     a1, p, a2, n = all_pairs_miner()(x, y)
-    out = RhoRegularizedMiner(all_pairs_miner(), 1.0, seed=2)(x, y)
-    assert torch.equal(out[0], a1) and torch.equal(out[1], p) and torch.equal(out[2], a2)
-    assert (y[out[3]] == y[a2]).all() and (out[3] != a2).all()  # (a2, p'): a same-class "negative" pair
+    rho = RhoRegularizedMiner(all_pairs_miner(), 1.0, seed=2)
+    out = rho(x, y)
+    assert torch.equal(out[2], a2) and len(out[3]) == len(n)  # the same negative slots
+    changed = out[3] != n
+    assert (y[out[3][changed]] == y[a2[changed]]).all() and (out[3] != a2).all()  # (a2, p'): same class
+    # p = 1: exactly one switched pair for each of the 16 anchors, the rest untouched (Roth: one per anchor).
+    assert torch.equal(torch.sort(a2[changed]).values, torch.arange(16)) and rho.last_switched == 16
+
+
+def test_pairs_switch_anchors_at_rate_p():
+    x, y = batch()  # 64 anchors, each with 60 negative pairs
+    rho = RhoRegularizedMiner(all_pairs_miner(), 0.3, seed=7)
+    counts = [(rho(x, y), rho.last_switched)[1] for _ in range(50)]
+    assert abs(sum(counts) / (50 * 64) - 0.3) < 0.03  # 3.5 sigma of a binomial(3200, 0.3)
 
 
 def test_an_anchor_with_a_single_positive_switches_to_it():
@@ -125,12 +136,12 @@ def test_for_a_pair_loss_a_switched_pair_is_negative_only():
     # SupCon (a pair loss) with triplets from a miner: PML would assert on a pair that is both positive and
     # negative, which a switched (a, p') is whenever (a, p') is also a mined positive pair.
     x, y = batch(n_classes=4)
-    rho = RhoRegularizedMiner(None, 0.5, seed=4, pairs=True)
+    rho = RhoRegularizedMiner(None, 1.0, seed=4, pairs=True)
     a1, p, a2, n = rho(x, y)
     positive, negative = set(zip(a1.tolist(), p.tolist())), set(zip(a2.tolist(), n.tolist()))
     assert not positive & negative
     switched = {(a, b) for a, b in negative if y[a] == y[b]}
-    assert 0 < len(switched) <= rho.last_switched  # the same pair may be drawn twice
+    assert len(switched) == rho.last_switched == 16  # one per anchor at p = 1
     all_a1, all_p, _, _ = lmu.get_all_pairs_indices(y)
     assert positive == set(zip(all_a1.tolist(), all_p.tolist())) - switched  # only the switched ones left
 
