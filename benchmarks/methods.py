@@ -86,6 +86,11 @@ def read_row(repo: Path) -> dict[str, Any]:
     for extra in ("refined", "mpn"):  # seed 001 / seed 004's test-time variants, next to the plain metrics
         if extra in metrics:
             row[f"{extra}_recall@1"], row[f"{extra}_map@r"] = metrics[extra]["recall@1"], metrics[extra]["map@r"]
+    refine = repo / "metrics/refine.json"
+    if "refined" in metrics and refine.exists():  # which refiner epoch was kept, and what validation said
+        chosen = json.loads(refine.read_text())
+        row["refine"] = {k: chosen.get(k) for k in ("epoch", "served", "val_plain_recall@1",
+                                                    "val_refined_recall@1")}
     return row
 
 
@@ -161,6 +166,13 @@ def _in_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: rank.get(r["method"], len(rank)))
 
 
+def _variant(row: dict[str, Any]) -> str:
+    parts = [f"{k.split('_')[0]} R@1 {row[k]:.4f}" for k in ("refined_recall@1", "mpn_recall@1") if k in row]
+    if refine := row.get("refine"):
+        parts.append(f"(refiner epoch {refine['epoch']} kept, serving {refine['served']})")
+    return " ".join(parts)
+
+
 def render(result: dict[str, Any]) -> str:
     def num(row, key):
         value = row.get(key)
@@ -168,7 +180,7 @@ def render(result: dict[str, Any]) -> str:
 
     rows = [[f"`{r['method']}`", r["what"], " ".join(f"`-S {o}`" for o in r["overrides"]) or "(default)",
              num(r, "recall@1") if "error" not in r else "failed", num(r, "map@r"), num(r, "best_val_recall@1"),
-             ", ".join(f"{k.split('_')[0]} R@1 {r[k]:.4f}" for k in ("refined_recall@1", "mpn_recall@1") if k in r),
+             _variant(r),
              r["seconds"]] for r in result["rows"]]
     return markdown_table(["method", "what", "override", "test R@1", "test MAP@R", "best val R@1", "variant",
                            "wall s"], rows)
