@@ -36,6 +36,14 @@ METHODS: list[tuple[str, str, list[str]]] = [
     ("xbn", "XBN (seed 000, Eq. 6)", ["memory.method=xbn"]),
     ("axbn", "AXBN, Kalman (seed 000; the default)", []),
     ("ema", "EMA of the batch moments (seed 000, App. C)", ["memory.method=ema"]),
+    # `xbn tune --set tune.lambda_mode=true --set tune.trials=12 --set tune.epochs=3 --set train.warmup_epochs=1`
+    # on the glyph default (validation split) chose these; xbm/xbn at the same memory size separate the size
+    # from the filter.
+    ("axbn_tuned", "AXBN, r/q = 0.061, N = 100, memory 0.069 (xbn tune)", [
+        "memory.kalman.q=1.0", "memory.kalman.r=0.0608", "memory.kalman.p0=10000.0",
+        "memory.kalman.gain_interval=100", "memory.size=0.0692"]),
+    ("xbm_small", "XBM, memory 0.069 of the training set", ["memory.method=xbm", "memory.size=0.0692"]),
+    ("xbn_small", "XBN, memory 0.069 of the training set", ["memory.method=xbn", "memory.size=0.0692"]),
     ("axbn_auto", "AXBN, noise estimated online", ["memory.method=axbn_auto"]),
     ("normsoftmax", "NormSoftmax, no memory", ["loss.name=NormalizedSoftmaxLoss", *PROXY]),
     ("memvir", "NormSoftmax + MemVir (seed 002)", ["loss.name=NormalizedSoftmaxLoss", *PROXY,

@@ -276,7 +276,10 @@ def methods_section(data: dict[str, Any]) -> str:
         "classes, 6 images each, 64 px, EfficientNet-Lite0, 2 warm-up + 12 epochs, batch 64, SupCon + pair-margin "
         "miner), one seed; test = leave-one-out on the 300 test classes. The `variant` column is the test-time "
         "variant next to the plain embedding (seed 001's refined queries, seed 004's MPN over k-reciprocal "
-        "neighbourhoods)." + (f" Every run reduced with {reduced}." if reduced else ""), "",
+        "neighbourhoods). Reproduce with `python -m benchmarks methods` (about 100 minutes here); rows re-run "
+        "with `--only` keep their own commit and command in the JSON. Wall times include the evaluate and "
+        "register stages; the first rows' were stretched by other benchmarks run meanwhile."
+        + (f" Every run reduced with {reduced}." if reduced else ""), "",
         render(data), "",
         "One seed per row on a small set: differences of a couple of points are within seed-to-seed spread "
         "(section 6 shows about ±0.01-0.02 R@1 over 3 seeds on Omniglot).", ""])
