@@ -24,13 +24,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import faiss
 import numpy as np
 from scipy.stats import entropy
 from sklearn.metrics.cluster import pair_confusion_matrix
 
 from xbn.evaluation.knn import _drop_self, _search_fn, as_float32_matrix
-from xbn.evaluation.metrics import KMEANS_NITER
+from xbn.evaluation.metrics import kmeans_clusters
 
 MAP_K = 1000
 
@@ -95,14 +94,8 @@ def pi_metrics(embeddings: Any, labels: Any) -> dict[str, float]:
 def clustering_f1(embeddings: Any, labels: Any, *, seed: int = 0, device: Any = "cpu") -> float:
     """Pair-counting F1 of a faiss k-means clustering (one cluster per distinct label), as Roth's metrics/f1.py:
     2 TP / (2 TP + FP + FN) over the pairs of samples, TP a pair in the same class and the same cluster."""
-    x = as_float32_matrix(embeddings, "embeddings")
-    _, codes = np.unique(np.asarray(labels), return_inverse=True)
-    use_gpu = str(device).startswith("cuda") and hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
-    kmeans = faiss.Kmeans(x.shape[1], int(codes.max()) + 1, niter=KMEANS_NITER, seed=seed, gpu=use_gpu,
-                          min_points_per_centroid=1)
-    kmeans.train(x)
-    _, assignment = kmeans.index.search(x, 1)
-    (_, fp), (fn, tp) = pair_confusion_matrix(codes, assignment.ravel())
+    codes, assignment = kmeans_clusters(embeddings, labels, seed=seed, device=device)
+    (_, fp), (fn, tp) = pair_confusion_matrix(codes, assignment)
     return float(2 * tp / (2 * tp + fp + fn)) if tp else 0.0
 
 

@@ -33,6 +33,14 @@ def as_float32_matrix(x: Any, name: str) -> np.ndarray:
     return x
 
 
+def as_exclude(exclude: Any, num_queries: int) -> np.ndarray:
+    """`exclude` (one reference index per query, left out of that query's search) as an int64 array."""
+    exclude = np.asarray(exclude, dtype=np.int64)
+    if exclude.shape != (num_queries,):
+        raise ValueError(f"exclude must hold one reference index per query, got shape {exclude.shape}")
+    return exclude
+
+
 def knn_search(
     queries: Any,
     references: Any,
@@ -73,9 +81,7 @@ def knn_search(
     if exclude is not None:
         if exclude_self:
             raise ValueError("pass exclude_self or exclude, not both")
-        exclude = np.asarray(exclude, dtype=np.int64)
-        if exclude.shape != (len(q),):
-            raise ValueError(f"exclude must hold one reference index per query, got shape {exclude.shape}")
+        exclude = as_exclude(exclude, len(q))
     drop = exclude_self or exclude is not None
     k = min(int(k), len(r) - int(drop))
     sims = np.empty((len(q), k), dtype=np.float32)

@@ -16,7 +16,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from xbn.evaluation.knn import as_float32_matrix, knn_search
+from xbn.evaluation.knn import as_exclude, as_float32_matrix, knn_search
 
 # k-means iterations for NMI: pytorch-metric-learning's choice, so that NMI values are comparable with it.
 KMEANS_NITER = 20
@@ -72,9 +72,7 @@ def retrieval_metrics(
     if exclude is not None:
         if leave_one_out:
             raise ValueError("exclude needs reference_emb (without it the search is leave-one-out already)")
-        exclude = np.asarray(exclude, dtype=np.int64)
-        if exclude.shape != (len(queries),):
-            raise ValueError(f"exclude must hold one reference index per query, got shape {exclude.shape}")
+        exclude = as_exclude(exclude, len(queries))
         num_relevant = num_relevant - (r_codes[exclude] == q_codes)
     has_match = num_relevant > 0
 
@@ -132,6 +130,14 @@ def nmi_score(embeddings: Any, labels: Any, *, seed: int = 0, device: Any = "cpu
     """NMI between the labels and a faiss k-means clustering (one cluster per distinct label)."""
     from sklearn.metrics import normalized_mutual_info_score
 
+    codes, assignment = kmeans_clusters(embeddings, labels, seed=seed, device=device)
+    return float(normalized_mutual_info_score(codes, assignment))
+
+
+def kmeans_clusters(embeddings: Any, labels: Any, *, seed: int = 0, device: Any = "cpu"
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(label codes, cluster of each embedding) of a faiss k-means with one cluster per distinct label, the
+    clustering that NMI and the clustering F1 score."""
     x = as_float32_matrix(embeddings, "embeddings")
     _, codes = np.unique(_as_labels(labels, len(x), "labels", "embeddings"), return_inverse=True)
     use_gpu = str(device).startswith("cuda") and hasattr(faiss, "StandardGpuResources")
@@ -144,7 +150,7 @@ def nmi_score(embeddings: Any, labels: Any, *, seed: int = 0, device: Any = "cpu
     )
     kmeans.train(x)
     _, assignment = kmeans.index.search(x, 1)
-    return float(normalized_mutual_info_score(codes, assignment.ravel()))
+    return codes, assignment.ravel()
 
 
 def _check_ks(ks: Sequence[int]) -> list[int]:

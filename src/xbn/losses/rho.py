@@ -20,8 +20,10 @@ A tuple whose anchor has no positive to switch to is kept as it is.
 
 With `pairs=True` (the loss is a pair loss: PML's `GenericPairLoss`, e.g. SupCon, contrastive, multi-similarity)
 triplets are turned into pairs first, and a switched pair (a2, p') is taken out of the positive pairs: a pair
-loss cannot hold one pair as both (PML asserts on it), and rho means p' is pushed away from a2 at this step. The draws come from a seeded
-`torch.Generator` (CPU) kept in `state_dict`; `last_switched` counts the tuples switched at the last call.
+loss cannot hold one pair as both (PML asserts on it), and rho means p' is pushed away from a2 at this step.
+
+The draws come from a seeded `torch.Generator` (CPU) kept in `state_dict`; `last_switched` counts the tuples
+switched at the last call.
 """
 
 from __future__ import annotations

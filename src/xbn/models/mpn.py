@@ -46,7 +46,7 @@ class MessagePassingNetwork(nn.Module):
 
 def save_mpn(path: str | Path, mpn: MessagePassingNetwork | None) -> None:
     """Write the trained MPN (plain types and tensors, for torch.load(weights_only=True)). Without an MPN a
-    stub saying so is written, so the file the pipeline tracks always exists."""
+    'disabled' marker is written, so the file the pipeline tracks always exists."""
     state: dict[str, Any] = {"format": MPN_FORMAT, "enabled": mpn is not None}
     if mpn is not None:
         state["config"] = dict(mpn.config)

@@ -15,7 +15,6 @@ With `refine.enabled: false` the stage writes only a 'disabled' marker at `refin
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from xbn.evaluation.knn import knn_search
 from xbn.evaluation.metrics import retrieval_metrics
 from xbn.models.refiner import ContextRefiner, load_refiner, save_refiner
 from xbn.training.trainer import resolve_device, seed_everything
-from xbn.utils.io import write_json
+from xbn.utils.io import file_digest, write_json
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ def refine(params: Params) -> dict:
     if train_set is None:
         raise ValueError(f"{params.data.manifest} has no 'train' rows")
     summary = fit_refiner(params, train_set, val_set, device)
-    summary["embedder_sha256"] = _sha256(model_path)
+    summary["embedder_sha256"] = file_digest(model_path)
     save_refiner(cfg.output, summary.pop("refiner"), {k: summary[k] for k in
                                                       ("k", "served", "epoch", "embedder_sha256")})
     # The per-epoch rows stay out of the DVC metrics file (they are returned and printed by the CLI).
@@ -177,19 +176,11 @@ def evaluate_refined(params: Params, q_emb, q_labels, r_emb, r_labels, model_pat
     refiner, checkpoint = load_refiner(path, map_location=device)
     if refiner is None:
         return None
-    if checkpoint["embedder_sha256"] != _sha256(model_path):
+    if checkpoint["embedder_sha256"] != file_digest(model_path):
         raise ValueError(f"{path} was trained on the embeddings of another {model_path}: run `xbn refine`")
     metrics = refined_metrics(refiner, q_emb, q_labels, r_emb, r_labels, checkpoint["k"], ks=params.eval.k,
                               chunk_size=params.eval.query_chunk, device=device)
     return {**metrics, "served": checkpoint["served"] == "refined"}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 __all__ = ["context_indices", "evaluate_refined", "fit_refiner", "refine", "refined_metrics"]

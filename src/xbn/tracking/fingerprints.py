@@ -11,15 +11,7 @@ import subprocess
 from pathlib import Path
 
 from xbn.config import Params, flatten
-
-
-def file_digest(path: str | Path, algorithm: str = "sha256") -> str:
-    """Hex digest of a file's bytes, read in chunks (checkpoints can be large)."""
-    digest = hashlib.new(algorithm)
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+from xbn.utils.io import file_digest
 
 
 def data_hash(params: Params) -> str | None:

@@ -299,7 +299,7 @@ class Trainer:
         return self.summary()
 
     def _save_mpn(self) -> None:
-        # The Intra-Batch MPN of the selected epoch, for evaluate's test-time option (a stub without one).
+        # The Intra-Batch MPN of the selected epoch, for evaluate's test-time option ('disabled' marker if none).
         mpn_loss = self.criterion.mpn_loss
         save_mpn(self.checkpoint_dir / "mpn.pt", mpn_loss.mpn if mpn_loss is not None else None)
 

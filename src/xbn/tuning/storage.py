@@ -4,7 +4,7 @@
   (Optuna's FAQ): SQLite locks the whole file and workers fail with "database is locked".
 - `journal:FILE` (the default for `--workers N`): Optuna's JournalStorage, safe for processes on one machine.
   It has no heartbeats: the coordinator fails the trials of a worker process that died (see `study.py`).
-  Its file lock is an flock (`_JournalFlock`), not Optuna's default symlink lock: a worker killed while it
+  Its file lock is an flock (`_JournalLock`), not Optuna's default symlink lock: a worker killed while it
   reads or appends the journal would leave the symlink behind, and with a relative path Optuna's stale-lock
   check stats a dangling link and never breaks it, so every other worker waited forever.
 - `postgresql://...` (or another SQLAlchemy URL): workers on several machines join one study; a worker that
@@ -13,13 +13,13 @@
 
 The lock: a worker claims a trial by counting the study's trials and enqueueing one more, both under this
 lock, so N workers never start more than `tune.trials` trials between them. It is a PostgreSQL advisory
-lock (released by the server if the worker dies) or an flock on a file next to a file storage.
+lock (released by the server if the worker dies) or an flock on a file next to a file storage
+(`xbn.utils.locks`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -30,9 +30,11 @@ from pathlib import Path
 
 import optuna
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
+from filelock import FileLock
 from optuna.storages.journal import JournalFileBackend
 
 from xbn.config import ConfigError, TuneConfig
+from xbn.utils.locks import advisory_lock, file_lock
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +110,14 @@ def journal_storage(path: str | Path) -> JournalStorage:
     """Optuna's journal on `path`, locked by an flock that a killed process cannot leave behind."""
     path = Path(path).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    return JournalStorage(JournalFileBackend(str(path), lock_obj=_JournalFlock(path.with_name(f"{path.name}.flock"))))
+    return JournalStorage(JournalFileBackend(str(path), lock_obj=_JournalLock(path.with_name(f"{path.name}.flock"))))
 
 
 def study_lock(spec: StorageSpec, study_name: str) -> contextlib.AbstractContextManager:
     if spec.path is not None:
-        return _FileLock(spec.path.with_name(f"{spec.path.name}.{_digest(study_name)}.lock"))
+        return _Reusable(file_lock, spec.path.with_name(f"{spec.path.name}.{_digest(study_name)}.lock"))
     if spec.kind == "postgresql":
-        return _AdvisoryLock(spec.url, study_name)
+        return _Reusable(advisory_lock, spec.url, f"xbn-tune/{study_name}")
     log.warning("tune.storage %s: no cross-process lock for %s; with several workers the study may run up "
                 "to workers - 1 trials more than tune.trials", spec.redacted(), spec.kind)
     return _LOCAL
@@ -125,75 +127,35 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-class _FileLock:
-    """flock on a file next to the storage: exclusive between processes, dropped by the kernel when its
-    holder dies. One holder per instance (each worker makes its own)."""
+class _Reusable:
+    """A lock context manager to enter again and again (each worker holds one for its whole loop)."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, make, *args):
+        self._make, self._args = make, args
 
     def __enter__(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a")
-        fcntl.flock(self._fh, fcntl.LOCK_EX)
+        self._held = self._make(*self._args)
+        self._held.__enter__()
 
     def __exit__(self, *exc):
-        self._fh.close()  # closing the file releases the lock
+        return self._held.__exit__(*exc)
 
 
-class _JournalFlock:
-    """Optuna's journal lock (its `lock_obj`: acquire/release, the interface of its lock classes) as an flock: the kernel drops it when its holder dies, so a killed worker
-    never blocks the others. Written here because Optuna's own locks (symlink, open) are lock *files* that
-    outlive a SIGKILL. A threading lock orders the threads of one process that share this object."""
+class _JournalLock:
+    """Optuna's journal lock (its `lock_obj`: acquire/release, the interface of its lock classes) as an flock:
+    the kernel drops it when its holder dies, so a killed worker never blocks the others. Optuna's own locks
+    (symlink, open) are lock *files* that outlive a SIGKILL. filelock gives each thread its own descriptor, so
+    threads sharing this object exclude each other too."""
 
     def __init__(self, path: Path):
-        self.path, self._threads, self._fh = path, threading.Lock(), None
+        self._lock = FileLock(path)
 
     def acquire(self) -> bool:
-        self._threads.acquire()
-        try:
-            fh = open(self.path, "a")
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        except BaseException:
-            self._threads.release()
-            raise
-        self._fh = fh
+        self._lock.acquire()
         return True
 
     def release(self) -> None:
-        fh, self._fh = self._fh, None
-        try:
-            if fh is not None:
-                fh.close()  # closing the file releases the flock
-        finally:
-            self._threads.release()
-
-
-class _AdvisoryLock:
-    """A PostgreSQL session advisory lock keyed by the study: every worker on every machine that uses the
-    database sees it, and the server releases it when the holder's connection drops."""
-
-    def __init__(self, url: str, study_name: str):
-        from sqlalchemy import create_engine
-        from sqlalchemy.pool import NullPool
-
-        self._engine = create_engine(url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
-        self._key = int.from_bytes(hashlib.sha256(f"xbn-tune/{study_name}".encode()).digest()[:8], "big",
-                                   signed=True)
-
-    def __enter__(self):
-        from sqlalchemy import text
-
-        self._conn = self._engine.connect()
-        self._conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": self._key})
-
-    def __exit__(self, *exc):
-        from sqlalchemy import text
-
-        try:
-            self._conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": self._key})
-        finally:
-            self._conn.close()  # closing the session releases the lock even if the unlock failed
+        self._lock.release()
 
 
 _LOCAL = threading.Lock()

@@ -4,6 +4,7 @@ so a crash never leaves a truncated file behind."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import tempfile
@@ -51,3 +52,12 @@ def save_torch(path: str | Path, obj: Any) -> None:
 
     with atomic_path(path) as tmp:
         torch.save(obj, tmp)
+
+
+def file_digest(path: str | Path, algorithm: str = "sha256") -> str:
+    """Hex digest of a file's bytes, read in chunks (checkpoints can be large)."""
+    digest = hashlib.new(algorithm)
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
