@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 DATASETS = ("glyphs", "cub", "cars196", "sop", "inshop", "deepfashion2", "folder", "csv")
 MEMORY_METHODS = ("none", "xbm", "xbn", "axbn", "ema", "axbn_auto")
+LAMBDA_KEY = "memory.kalman.r/q"  # tune.space's lambda = r/q of AXBN (tune.lambda_mode)
 
 
 class ConfigError(ValueError):
@@ -89,25 +90,33 @@ class ModelConfig(Section):
 
 
 class KalmanConfig(Section):
+    """AXBN's per-dimension Kalman filter, seed 000's values (Sec. 5.1, Algorithm 1): P0 = 1, Q = 1, R = r/|B|
+    with r = 0.01, the gain recomputed every N = 100 iterations. Only r/q matters (given p0/q)."""
+
     p0: float = Field(1.0, ge=0.0)
-    q: float = Field(1e-4, gt=0.0)
-    r: float = Field(1.0, ge=0.0)
-    gain_interval: int = Field(1, ge=1)
+    q: float = Field(1.0, gt=0.0)
+    r: float = Field(0.01, ge=0.0)
+    gain_interval: int = Field(100, ge=1)
 
 
 class MemoryConfig(Section):
     method: Literal[MEMORY_METHODS] = "axbn"
     # <= 1: a fraction of the training set; > 1: an absolute number of rows.
     size: float = Field(1.0, gt=0.0)
-    start_iteration: int = Field(0, ge=0)
+    # When the memory joins the loss: after the head warm-up (seed 000 Sec. 5.1: the warm-up is plain SupCon on
+    # the minibatch), or after this many epochs (0: from the first step).
+    start: Literal["after_warmup"] | int = Field("after_warmup", union_mode="left_to_right")
     add_batch_loss: bool = False
-    ema_momentum: float = Field(0.1, gt=0.0, le=1.0)
+    # EMA (seed 000, App. C): estimate <- m * estimate + (1 - m) * batch; m = 0 is XBN, 0.1 the paper's best.
+    ema_momentum: float = Field(0.1, ge=0.0, lt=1.0)
     kalman: KalmanConfig = KalmanConfig()
     # axbn_auto: how fast the innovation statistics that set the process noise are averaged.
     innovation_momentum: float = Field(0.05, gt=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _size_is_count_or_fraction(self):
+        if isinstance(self.start, int) and self.start < 0:
+            raise ValueError("memory.start must be 'after_warmup' or a number of epochs >= 0")
         if self.size > 1 and self.size != int(self.size):
             raise ValueError("memory.size above 1 is a row count and must be a whole number")
         return self
@@ -163,7 +172,8 @@ class TrainConfig(Section):
     warmup_lr: float = Field(1e-3, gt=0.0)
     lr: float = Field(1e-4, gt=0.0)
     weight_decay: float = Field(1e-4, ge=0.0)
-    lr_step_epochs: int = Field(15, ge=1)
+    # Seed 000 steps the lr every 15 of 50 epochs; scaled to the 12-epoch default: every 4 (x0.33 at 4 and 8).
+    lr_step_epochs: int = Field(4, ge=1)
     lr_gamma: float = Field(0.33, gt=0.0, le=1.0)
     batch_size: int = Field(64, ge=2)
     samples_per_class: int = Field(4, ge=1)
@@ -276,16 +286,18 @@ class TuneConfig(Section):
         step: float | None = None
         choices: list[bool | int | float | str] | None = None
 
-    # Dotted params keys; any key of the schema can be added (a typo is refused by name).
+    # Dotted params keys; any key of the schema can be added (a typo is refused by name). The default asks
+    # whether a memory helps on this data at all (`none` is a choice), and AXBN's lambda around seed 000's 0.01.
     space: dict[str, Dimension] = Field(default_factory=lambda: {
-        "memory.kalman.r": TuneConfig.Dimension(type="float", low=1e-4, high=10.0, log=True),
-        "memory.kalman.q": TuneConfig.Dimension(type="float", low=1e-6, high=1e-2, log=True),
+        "memory.method": TuneConfig.Dimension(type="categorical", choices=["none", "xbn", "axbn", "axbn_auto"]),
         "memory.size": TuneConfig.Dimension(type="float", low=0.05, high=1.0),
+        LAMBDA_KEY: TuneConfig.Dimension(type="float", low=1e-4, high=1e4, log=True),
         "memory.kalman.gain_interval": TuneConfig.Dimension(type="categorical", choices=[1, 10, 100]),
     })
-    # The static filter's gain depends on r/q only (given p0/q): sample lambda = r/q over the range the r and
-    # q entries span, and run it as q = 1, r = lambda, p0 = p0/q (the same filter, one dimension fewer).
-    lambda_mode: bool = False
+    # The static filter's gain depends on r/q only (given p0/q): sample lambda = r/q (the space's
+    # `memory.kalman.r/q` entry, or the range its r and q entries span) and run it as q = 1, r = lambda,
+    # p0 = p0/q (the same filter, one dimension fewer).
+    lambda_mode: bool = True
     trials: int = Field(20, ge=1)  # finished trials of the study (complete, pruned or failed), across workers
     timeout_s: float | None = Field(None, gt=0)  # no new trial starts after this
     epochs: int = Field(6, ge=1)  # train.epochs of each trial (after train.warmup_epochs)
@@ -310,13 +322,19 @@ class TuneConfig(Section):
                 raise ValueError(f"tune.space.{key}: {problem}")
         schema = globals().get("Params")  # None only for the default built while `Params` itself is defined
         for key in self.space if schema else ():
+            if key == LAMBDA_KEY:
+                continue
             if problem := self._key_problem(schema, key):
                 raise ValueError(f"tune.space: '{key}' {problem}")
-        if self.lambda_mode:
+        if LAMBDA_KEY in self.space and not self.lambda_mode:
+            raise ValueError(f"tune.space.{LAMBDA_KEY} needs tune.lambda_mode: true")
+        kalman = {"memory.kalman.r", "memory.kalman.q"} & self.space.keys()
+        if self.lambda_mode and LAMBDA_KEY not in self.space and kalman:
             for key in ("memory.kalman.r", "memory.kalman.q"):
                 if key not in self.space or self.space[key].type != "float":
-                    raise ValueError(f"tune.lambda_mode needs a float tune.space entry for '{key}' "
-                                     "(lambda = r/q spans the range of the two)")
+                    raise ValueError(f"tune.lambda_mode needs a float tune.space entry '{LAMBDA_KEY}', or "
+                                     f"float entries for 'memory.kalman.r' and 'memory.kalman.q' (missing "
+                                     f"'{key}'; lambda = r/q spans the range of the two)")
         return self
 
     @staticmethod

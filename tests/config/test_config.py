@@ -68,5 +68,5 @@ def test_cli_exits_nonzero_naming_the_key_before_work(tmp_path, capsys, monkeypa
 
 def test_flatten():
     flat = flatten(Params())
-    assert flat["memory.kalman.r"] == 1.0 and flat["loss.params.temperature"] == 0.1
+    assert flat["memory.kalman.r"] == 0.01 and flat["loss.params.temperature"] == 0.1
     assert flat["eval.k"] == [1, 2, 4, 8, 10, 100]

@@ -40,7 +40,7 @@ def tracking_error(estimator, kind: str) -> tuple[float, float]:
 @pytest.mark.parametrize("kind", ["static", "step", "sine"])
 def test_auto_beats_fixed_gain_ema_and_xbn(kind):
     auto = tracking_error(AdaptiveKalmanMoments(DIM), kind)
-    ema = tracking_error(EMAMoments(DIM, momentum=0.1), kind)  # the default ema_momentum
+    ema = tracking_error(EMAMoments(DIM, momentum=0.9), kind)  # a gain of 0.1
     xbn = tracking_error(BatchMoments(), kind)
     print(f"{kind}: mean/std RMS error auto {auto[0]:.2e}/{auto[1]:.2e}  ema {ema[0]:.2e}/{ema[1]:.2e}  "
           f"xbn {xbn[0]:.2e}/{xbn[1]:.2e}")

@@ -85,7 +85,7 @@ def test_axbn_with_constant_gain_equals_ema():
     p_star = (-q + math.sqrt(q * q + 4 * q * R)) / 2
     k_star = (p_star + q) / (p_star + q + R)
     axbn = make_memory(KalmanMoments(D, p0=p_star, q=q, r=r))
-    ema = make_memory(EMAMoments(D, momentum=k_star))
+    ema = make_memory(EMAMoments(D, momentum=1 - k_star))
     feed(axbn, 6, batch=batch), feed(ema, 6, batch=batch)
     torch.testing.assert_close(axbn.moments.gain, torch.full((D,), k_star, dtype=torch.float64))
     torch.testing.assert_close(axbn.embedding_memory, ema.embedding_memory, atol=1e-6, rtol=0)
@@ -167,6 +167,35 @@ def test_criterion_start_iteration_and_xbm_star():
     reference = AdaptiveCrossBatchMemory(loss, D, 64, miner=miner)
     expected = reference(x1, labels(16, offset=50)) + crit.batch_loss(x1, labels(16, offset=50))
     torch.testing.assert_close(crit(x1, labels(16, offset=50)), expected)
+
+
+@pytest.mark.parametrize("start, warmup, first", [("after_warmup", 2, 10), ("after_warmup", 0, 0), (3, 2, 15),
+                                                  (0, 2, 0)])
+def test_memory_starts_after_the_head_warmup_by_default(start, warmup, first):
+    # Seed 000 Sec. 5.1: the head pre-warm-up is plain SupCon on the minibatch; the memory joins after it.
+    params = load_params(None, [f"memory.start={start}", f"train.warmup_epochs={warmup}", "model.embedding_dim=8"])
+    crit = build_criterion(params, num_train_images=100, steps_per_epoch=5)
+    assert crit.start_iteration == first
+    for _ in range(first):
+        crit(unit(16), labels(16))
+    assert crit.memory.num_valid == 0
+    crit(unit(16), labels(16))
+    assert crit.memory.num_valid == 16
+
+
+def test_ema_momentum_follows_the_papers_convention():
+    # App. C: estimate <- m * estimate + (1 - m) * batch. m = 0 is XBN; m = 0.1 moves 90% of the way.
+    xbn, ema0 = make_memory(BatchMoments()), make_memory(EMAMoments(D, momentum=0.0))
+    feed(xbn, 5), feed(ema0, 5)
+    torch.testing.assert_close(ema0.embedding_memory, xbn.embedding_memory, atol=1e-6, rtol=0)
+    ema = EMAMoments(2, momentum=0.1)
+    zero, one = torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+    ema(zero, zero, zero, zero, 16)  # the first call takes the memory's own moments as the estimate
+    mean, _ = ema(zero, zero, one, one, 16)
+    torch.testing.assert_close(mean, torch.full((2,), 0.9, dtype=torch.float64))
+    with pytest.raises(Exception, match="ema_momentum"):
+        load_params(None, ["memory.ema_momentum=1.0"])
+    assert load_params(None, ["memory.ema_momentum=0"]).memory.ema_momentum == 0.0
 
 
 def test_memory_rows_fraction_or_count():

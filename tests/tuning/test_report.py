@@ -10,7 +10,7 @@ from tests_support import ROOT
 from xbn.config import load_params
 from xbn.tuning import apply_tuned, set_yaml_values, write_tuned
 
-TUNED = {"memory.kalman.r": 3.5e-05, "memory.kalman.q": 1.0, "memory.kalman.p0": 10000.0, "memory.size": 0.25,
+TUNED = {"memory.kalman.r": 3.5e-05, "memory.kalman.q": 2.0, "memory.kalman.p0": 10000.0, "memory.size": 0.25,
          "memory.kalman.gain_interval": 10}
 
 
@@ -37,11 +37,11 @@ def test_tuned_file_is_a_params_fragment_and_apply_validates(tmp_path):
                "current": {"value": 0.4}}
     assert write_tuned(tmp_path / "params.tuned.yaml", summary) == TUNED
     fragment = yaml.safe_load((tmp_path / "params.tuned.yaml").read_text())
-    assert fragment == {"memory": {"kalman": {"r": 3.5e-05, "q": 1.0, "p0": 10000.0, "gain_interval": 10},
+    assert fragment == {"memory": {"kalman": {"r": 3.5e-05, "q": 2.0, "p0": 10000.0, "gain_interval": 10},
                                    "size": 0.25}}
     params_file = tmp_path / "params.yaml"
     shutil.copy(ROOT / "params.yaml", params_file)
     apply_tuned(params_file, TUNED)
     k = load_params(params_file).memory.kalman
-    assert (k.r, k.q, k.p0, k.gain_interval) == (3.5e-05, 1.0, 10000.0, 10)
+    assert (k.r, k.q, k.p0, k.gain_interval) == (3.5e-05, 2.0, 10000.0, 10)
     assert "# xbn parameters" in params_file.read_text()

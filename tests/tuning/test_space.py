@@ -46,7 +46,8 @@ def test_free_form_mappings_accept_new_keys(tmp_path):
 
 
 def test_a_bound_the_schema_refuses_is_named_before_any_trial(tmp_path):
-    path = params_with_space(tmp_path, {"memory.kalman.q": {"type": "float", "low": 0.0, "high": 1.0}})
+    path = params_with_space(tmp_path, {"memory.kalman.q": {"type": "float", "low": 0.0, "high": 1.0}},
+                             lambda_mode=False)
     base = load_params(path)
     with pytest.raises(ConfigError, match=r"tune\.space\.memory\.kalman\.q: 0\.0 .*memory\.kalman\.q"):
         SearchSpace.from_config(base.tune).check(path, base)
@@ -62,29 +63,62 @@ def test_lambda_mode_needs_r_and_q(tmp_path):
                                       lambda_mode=True))
 
 
-def test_sampled_values_become_the_trial_params():
-    base = load_params(ROOT / "params.yaml")
+def test_the_default_space_asks_whether_a_memory_helps_and_holds_the_papers_lambda():
+    space = SearchSpace.from_config(load_params(ROOT / "params.yaml").tune)
+    assert "none" in space.dims["memory.method"].choices and "memory.size" in space.dims
+    lam = space.dims[LAMBDA]
+    assert (lam.low, lam.high, lam.log) == (1e-4, 1e4, True) and lam.low < 0.01 < lam.high  # seed 000: 0.01
+
+
+def test_lambda_given_directly_needs_lambda_mode(tmp_path):
+    with pytest.raises(ConfigError, match=r"memory\.kalman\.r/q needs tune\.lambda_mode: true"):
+        load_params(params_with_space(tmp_path, {LAMBDA: {"type": "float", "low": 1, "high": 2}},
+                                      lambda_mode=False))
+
+
+def test_sampled_values_become_the_trial_params(tmp_path):
+    path = params_with_space(tmp_path, {
+        "memory.kalman.r": {"type": "float", "low": 1e-4, "high": 10.0, "log": True},
+        "memory.kalman.q": {"type": "float", "low": 1e-6, "high": 1e-2, "log": True},
+        "memory.size": {"type": "float", "low": 0.05, "high": 1.0},
+        "memory.kalman.gain_interval": {"type": "categorical", "choices": [1, 10, 100]}}, lambda_mode=False)
+    base = load_params(path)
     space = SearchSpace.from_config(base.tune)
     fixed = {"memory.kalman.r": 0.03, "memory.kalman.q": 2e-6, "memory.size": 0.25,
              "memory.kalman.gain_interval": 100}
     sampled = space.sample(optuna.trial.FixedTrial(fixed))
-    trial = load_params(ROOT / "params.yaml", as_overrides(space.to_params(sampled, base)))
+    trial = load_params(path, as_overrides(space.to_params(sampled, base)))
     k = trial.memory.kalman
     assert (k.r, k.q, trial.memory.size, k.gain_interval) == (0.03, 2e-6, 0.25, 100)
     assert isinstance(k.gain_interval, int)
-    # The current params lie in the default space: they are the baseline trial as they are.
-    assert space.current(base) == {"memory.kalman.r": 1.0, "memory.kalman.q": 1e-4, "memory.size": 1.0,
-                                   "memory.kalman.gain_interval": 1}
+    # The current params lie in the space (q = 1 is above its range, so q is left out): the baseline trial.
+    assert space.current(base) == {"memory.kalman.r": 0.01, "memory.size": 1.0, "memory.kalman.gain_interval": 100}
 
 
-def test_lambda_mode_is_the_same_filter_with_one_dimension_fewer():
-    base = load_params(ROOT / "params.yaml", ["tune.lambda_mode=true", "memory.kalman.p0=2.0"])
+def test_the_default_space_samples_into_params():
+    base = load_params(ROOT / "params.yaml")
+    space = SearchSpace.from_config(base.tune)
+    fixed = {"memory.method": "axbn", "memory.size": 0.25, LAMBDA: 0.03, "memory.kalman.gain_interval": 10}
+    values = space.to_params(space.sample(optuna.trial.FixedTrial(fixed)), base)
+    trial = load_params(ROOT / "params.yaml", as_overrides(values))
+    k = trial.memory.kalman
+    assert (trial.memory.method, trial.memory.size, k.r, k.q, k.p0, k.gain_interval) == ("axbn", 0.25, 0.03, 1.0,
+                                                                                        1.0, 10)
+    assert space.current(base) == {"memory.method": "axbn", "memory.size": 1.0, LAMBDA: 0.01,
+                                   "memory.kalman.gain_interval": 100}
+
+
+def test_lambda_mode_is_the_same_filter_with_one_dimension_fewer(tmp_path):
+    path = params_with_space(tmp_path, {
+        "memory.kalman.r": {"type": "float", "low": 1e-4, "high": 10.0, "log": True},
+        "memory.kalman.q": {"type": "float", "low": 1e-6, "high": 1e-2, "log": True}}, lambda_mode=True)
+    base = load_params(path, ["memory.kalman.p0=2.0", "memory.kalman.q=1e-4", "memory.kalman.r=1.0"])
     space = SearchSpace.from_config(base.tune)
     lam = space.dims[LAMBDA]
     # lambda = r/q over exactly the range the r and q entries span
     assert (lam.low, lam.high, lam.log) == pytest.approx((1e-4 / 1e-2, 10.0 / 1e-6, True))
     assert not {"memory.kalman.r", "memory.kalman.q"} & space.dims.keys()
-    values = space.to_params({LAMBDA: 250.0, "memory.size": 0.5, "memory.kalman.gain_interval": 1}, base)
+    values = space.to_params({LAMBDA: 250.0}, base)
     assert values["memory.kalman.q"] == 1.0 and values["memory.kalman.r"] == 250.0
     assert space.current(base)[LAMBDA] == pytest.approx(1.0 / 1e-4)
 
@@ -109,7 +143,8 @@ def test_the_cli_refuses_a_bad_bound_by_key_before_any_work(tmp_path, monkeypatc
     from xbn.cli import main
 
     monkeypatch.chdir(tmp_path)
-    path = params_with_space(tmp_path, {"memory.kalman.q": {"type": "float", "low": 0.0, "high": 1.0}})
+    path = params_with_space(tmp_path, {"memory.kalman.q": {"type": "float", "low": 0.0, "high": 1.0}},
+                             lambda_mode=False)
     assert main(["tune", "--params", str(path)]) == 2
     assert "tune.space.memory.kalman.q: 0.0" in capsys.readouterr().err
     assert main(["tune", "--params", str(ROOT / "params.yaml"), "--worker", "--apply"]) == 2

@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
 from tests_support import ROOT
-from xbn.config import load_params
+from xbn.config import LAMBDA_KEY as LAMBDA, load_params
 from xbn.stages.tune import tune
 from xbn.training import trainer
 from xbn.tuning import BASELINE_ATTR, Objective, SearchSpace, open_study, resolve_storage, run_worker
@@ -39,14 +39,15 @@ def test_a_study_tunes_on_the_validation_split_and_writes_mergeable_values(proje
     trials = study.get_trials()
     assert [t.number for t in trials] == [0, 1, 2] and all(t.state in FINISHED for t in trials)
     assert trials[0].user_attrs[BASELINE_ATTR] and trials[0].params == {
-        "memory.kalman.r": 1.0, "memory.kalman.q": 1e-4, "memory.size": 1.0, "memory.kalman.gain_interval": 1}
+        "memory.method": "axbn", "memory.size": 1.0, LAMBDA: 0.01, "memory.kalman.gain_interval": 100}
     assert all(set(t.intermediate_values) == {1} for t in trials)  # epoch 1 reported (the one epoch)
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     best = max(complete, key=lambda t: t.value)
     assert summary["best"]["trial"] == best.number and summary["best"]["value"] == best.value
 
     tuned = yaml.safe_load(Path("params.tuned.yaml").read_text())
-    assert tuned["memory"]["kalman"]["r"] == best.params["memory.kalman.r"]
+    if LAMBDA in best.params:
+        assert tuned["memory"]["kalman"]["r"] == best.params[LAMBDA] and tuned["memory"]["kalman"]["q"] == 1.0
     assert tuned["memory"]["size"] == best.params["memory.size"]
     merged = Path("params.yaml")
     shutil.copy(ROOT / "params.yaml", merged)
@@ -55,7 +56,9 @@ def test_a_study_tunes_on_the_validation_split_and_writes_mergeable_values(proje
     apply_tuned(merged, summary["best"]["overrides"])
     assert load_params(merged).memory.kalman.gain_interval == best.params["memory.kalman.gain_interval"]
 
-    assert json.loads(Path("tuning/summary.json").read_text())["best"]["trial"] == best.number
+    written = json.loads(Path("tuning/summary.json").read_text())
+    assert written["best"]["trial"] == best.number
+    assert written["memory_verdict"].startswith(("A memory ", "No complete trial"))
     assert Path("tuning/plots/optimization_history.png").stat().st_size > 0
     assert not Path("models").exists()  # trials never write the pipeline's model
     for t in trials:

@@ -16,7 +16,7 @@ from xbn.memory.cross_batch import AdaptiveCrossBatchMemory
 from xbn.memory.moments import AdaptiveKalmanMoments, BatchMoments, EMAMoments, KalmanMoments
 
 __all__ = ["AdaptiveCrossBatchMemory", "Criterion", "build_criterion", "build_moments", "build_mpn_loss",
-           "memory_rows"]
+           "memory_rows", "memory_start_iteration"]
 
 
 def build_moments(params: Params) -> nn.Module | None:
@@ -43,7 +43,7 @@ class Criterion(nn.Module):
     """loss(embeddings, labels) for one training step.
 
     Without a memory it is the ranking loss on the minibatch's mined pairs. With one, the batch is enqueued and
-    the loss is taken against the whole memory (XBM); from `start_iteration` on only, and with the minibatch
+    the loss is taken against the whole memory (XBM); from `start_iteration` on only (`memory.start`), and with the minibatch
     loss added when `add_batch_loss` (XBM*).
 
     With `mpn_loss` (Intra-Batch, `model.mpn`) the MPN's cross-entropies replace the minibatch ranking loss;
@@ -100,6 +100,13 @@ class Criterion(nn.Module):
         return dict(self.memory.last_diagnostics) if self.memory is not None else {}
 
 
+def memory_start_iteration(params: Params, steps_per_epoch: int) -> int:
+    """The first iteration that uses the memory: `memory.start` epochs (or the head warm-up) of steps."""
+    start = params.memory.start
+    epochs = params.train.warmup_epochs if start == "after_warmup" else start
+    return epochs * steps_per_epoch
+
+
 def build_mpn_loss(params: Params, train_labels) -> nn.Module | None:
     """The Intra-Batch loss of `model.mpn` (nulls: the paper's setting for the dataset), or None."""
     from xbn.losses.mpn import IntraBatchLoss
@@ -129,9 +136,9 @@ def build_criterion(params: Params, num_train_images: int, train_labels=None,
         if num_classes is not None and int(np.max(train_labels)) >= num_classes:
             raise ValueError(f"loss.name={params.loss.name} indexes its class weights by label: the training "
                              f"labels must be 0..{num_classes - 1}, got up to {int(np.max(train_labels))}")
+    steps = steps_per_epoch or max(1, num_train_images // params.train.batch_size)
     if params.loss.memvir.enabled:
         mv = params.loss.memvir
-        steps = steps_per_epoch or max(1, num_train_images // params.train.batch_size)
         loss = MemVir(loss, num_classes or 0, mv.num_steps, mv.step_gap, round(mv.warmup_epochs * steps))
     miner = build_miner(params.loss.miner, params.loss.miner_params)
     if params.loss.rho.p_switch > 0:  # Roth et al. 2020 Sec. 5; around all triplets when there is no miner
@@ -142,5 +149,5 @@ def build_criterion(params: Params, num_train_images: int, train_labels=None,
         rows = memory_rows(params.memory.size, num_train_images, params.train.batch_size)
         memory = AdaptiveCrossBatchMemory(loss, params.model.embedding_dim, rows, miner=miner,
                                           moments=build_moments(params))
-    return Criterion(loss, miner, memory, params.memory.start_iteration, params.memory.add_batch_loss,
+    return Criterion(loss, miner, memory, memory_start_iteration(params, steps), params.memory.add_batch_loss,
                      mpn_loss=build_mpn_loss(params, train_labels))

@@ -6,7 +6,8 @@ the memory is mapped to. No library implements these; they are written by hand f
 - `BatchMoments` (XBN, Eq. 6): the target is the current minibatch's moments.
 - `KalmanMoments` (AXBN, Eq. 18-23, Algorithm 1): a per-dimension Kalman filter with a static state model
   estimates the dataset's mean and std from the noisy minibatch observations; P0 = p0, Q = q, R = r/|B|.
-- `EMAMoments` (seed 000, Appendix C): the same recursion with a constant gain.
+- `EMAMoments` (seed 000, Appendix C): estimate <- m * estimate + (1 - m) * batch, the paper's convention
+  (momentum m = 0 is XBN; the paper's best is m = 0.1), i.e. the same recursion with a constant gain 1 - m.
 
 The filter state is initialised from the memory's own moments the first time it is used (the prior that the
 memory holds; its uncertainty is p0), so with r = 0 (gain 1) AXBN reduces exactly to XBN.
@@ -79,14 +80,14 @@ class KalmanMoments(_RecursiveMoments):
 
 
 class EMAMoments(_RecursiveMoments):
-    """A constant gain: an exponential moving average of the minibatch moments (Appendix C)."""
+    """An exponential moving average of the minibatch moments (Appendix C): a constant gain 1 - momentum."""
 
     def __init__(self, dim: int, momentum: float):
         super().__init__(dim)
         self.momentum = float(momentum)
 
     def next_gain(self, batch_size: int) -> torch.Tensor:
-        return torch.full_like(self.gain, self.momentum)
+        return torch.full_like(self.gain, 1.0 - self.momentum)
 
 
 class AdaptiveKalmanMoments(nn.Module):

@@ -220,6 +220,7 @@ def _report(session: StudySession, space: SearchSpace, base: Params, tracker,
                           [Path(p) for p in summary["plots"]])
     log.info("study %s: best trial %d, val R@1 %.4f -> %s", session.name, summary["best"]["trial"],
              summary["best"]["value"], base.tune.output)
+    log.info("%s", summary["memory_verdict"])
     return summary
 
 

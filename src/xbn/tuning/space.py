@@ -1,10 +1,11 @@
 """The search space of `tune.space`: what a trial samples, and the params overrides that turns into.
 
 Optuna parameter names are the dotted params keys, so plots, importances and MLflow params read like
-params.yaml. In `tune.lambda_mode` the two Kalman noises collapse into one dimension, `memory.kalman.r/q`:
+params.yaml. In `tune.lambda_mode` the two Kalman noises are one dimension, `memory.kalman.r/q` (given in the
+space, or the range that its r and q entries span):
 the static filter's gain sequence is unchanged when p0, q and r are scaled together (K = (P + q) /
 (P + q + r/|B|), P scales with them), so (p0, q, r) runs exactly as (p0/q, 1, r/q). A trial therefore samples
-lambda = r/q over the range that the r and q entries span and runs q = 1, r = lambda, p0 = p0/q.
+lambda = r/q and runs q = 1, r = lambda, p0 = p0/q.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from typing import Any
 
 import yaml
 
-from xbn.config import ConfigError, Params, TuneConfig, flatten, load_params
+from xbn.config import LAMBDA_KEY, ConfigError, Params, TuneConfig, flatten, load_params
 
 log = logging.getLogger(__name__)
 
-LAMBDA = "memory.kalman.r/q"
+LAMBDA = LAMBDA_KEY
 Dimension = TuneConfig.Dimension
 
 
@@ -42,7 +43,7 @@ class SearchSpace:
     @classmethod
     def from_config(cls, cfg: TuneConfig) -> SearchSpace:
         dims = dict(cfg.space)
-        if cfg.lambda_mode:
+        if cfg.lambda_mode and LAMBDA not in dims and "memory.kalman.r" in dims:
             r, q = dims.pop("memory.kalman.r"), dims.pop("memory.kalman.q")
             ratio = Dimension(type="float", low=r.low / q.high, high=r.high / q.low, log=r.log or q.log)
             dims = {LAMBDA: ratio, **dims}
@@ -92,6 +93,6 @@ class SearchSpace:
                 except ConfigError as exc:
                     raise ConfigError(f"tune.space.{name}: {value!r} gives invalid params: {exc}") from None
         unused = [n for n in self.dims if n.startswith("memory.kalman.")]
-        if unused and base.memory.method != "axbn":
+        if unused and base.memory.method != "axbn" and "memory.method" not in self.dims:
             log.warning("tune.space has %s but memory.method is %s: they change nothing", unused,
                         base.memory.method)
