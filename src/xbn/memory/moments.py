@@ -97,11 +97,15 @@ class AdaptiveKalmanMoments(nn.Module):
     - measurement noise from sampling theory: the batch mean of |B| samples has variance s^2/|B|, the batch
       std about s^2/(2(|B|-1)), s the std (per dimension, the filter's current estimate);
     - process noise by covariance matching on the innovations nu = y - x (Mehra 1972): E[nu^2] = P + Q + R.
-      The excess (nu^2 - P - R) / R is pooled over the dimensions (one relative process noise per statistic,
-      Q = q_rel * R) and averaged over ~1/`innovation_momentum` steps before it is clipped at 0: pooling cuts the
-      estimate's noise by sqrt(d), and clipping only the average keeps a stationary stream's Q near 0 (clipping
-      every step would bias it upwards). Drift inflates the innovations, so Q and the gain rise; a stationary
-      stream lets them fall towards the 1/k averaging of a static filter.
+      One relative process noise per statistic, Q = q_rel * R, is estimated from the ratios nu^2 / (P + R)
+      (chi-square with one degree of freedom under no drift) pooled over the dimensions by their median, and
+      averaged over ~1/`innovation_momentum` steps before it is clipped at 0: pooling cuts the estimate's noise
+      by ~sqrt(d), and clipping only the average keeps a stationary stream's Q near 0 (clipping every step would
+      bias it upwards). Drift inflates the innovations, so Q and the gain rise; a stationary stream lets them
+      fall towards the 1/k averaging of a static filter.
+    - The median, not the mean: a mean lets one dimension outvote the others, e.g. a near-constant one (tiny R)
+      whose level moves by an amount negligible anywhere else; its huge ratio would raise every dimension's
+      gain towards 1 (XBN). The median ignores up to half the dimensions.
     """
 
     def __init__(self, dim: int, innovation_momentum: float = 0.05):
@@ -111,6 +115,23 @@ class AdaptiveKalmanMoments(nn.Module):
             self.register_buffer(name, torch.zeros(dim, dtype=torch.float64))
         self.register_buffer("relative_process_noise", torch.zeros(2, dtype=torch.float64))  # mean, std
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        # Constants of `dim` alone (not state): the null law of the pooled statistic.
+        self.null_median, self.null_median_std = self.chi2_median_moments(dim)
+
+    @staticmethod
+    def chi2_median_moments(n: int, points: int = 200_000) -> tuple[float, float]:
+        """Mean and std of `torch.median` (the lower middle value, the k = (n+1)//2-th smallest) of n
+        independent chi-square(1) variables: quadrature over the order statistic's Beta(k, n-k+1) law, u being
+        the chi-square CDF, x(u) = ndtri((1+u)/2)^2 its quantile. Exact for every n (large n: the asymptotic
+        median 0.4549 and std 1/(2 f(0.4549) sqrt(n)), f the chi-square(1) density; small n differs: the mean
+        is 0.45 * 0.975 at n = 16 but 0.45 * 1.13 at n = 15)."""
+        k = (n + 1) // 2
+        u = (torch.arange(points, dtype=torch.float64) + 0.5) / points
+        x = torch.special.ndtri((1 + u) / 2) ** 2
+        log_beta = math.lgamma(k) + math.lgamma(n - k + 1) - math.lgamma(n + 1)
+        w = ((k - 1) * u.log() + (n - k) * torch.log1p(-u) - log_beta).exp() / points
+        mean = float((w * x).sum())
+        return mean, math.sqrt(max(float((w * x * x).sum()) - mean * mean, 0.0))
 
     def _update(self, slot: int, stat: str, observation: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         estimate = getattr(self, stat)
@@ -119,13 +140,18 @@ class AdaptiveKalmanMoments(nn.Module):
         innovation = observation - estimate
         if int(self.steps) == 0:
             covariance.copy_(noise)  # the prior (the memory's moments) is taken as uncertain as one batch
-        else:
-            excess = ((innovation * innovation - covariance - noise) / noise).mean()
-            self.relative_process_noise[slot].lerp_(excess, self.innovation_momentum)
-        # Under no drift the averaged excess is noise of std (1 + P/R) sqrt(2/d * b/(2-b)) (chi-square innovations,
-        # pooled over d, averaged with momentum b); only what stands above twice that counts as process noise.
+        ratio_to_noise = (covariance / noise).median()  # P/R, the same in every dimension but for R's updates
+        if int(self.steps) > 0:
+            # With Q = q R, nu^2 / (P + R) is chi-square(1) times c = 1 + q / (1 + P/R); median / (its null mean)
+            # estimates c without bias under no drift (the median of chi2_1 - 1 is -0.545, not 0), so
+            # q = (c - 1)(1 + P/R) keeps the mean pooling's expectation.
+            scale = (innovation * innovation / (covariance + noise)).median() / self.null_median
+            self.relative_process_noise[slot].lerp_((scale - 1) * (1 + ratio_to_noise), self.innovation_momentum)
+        # Under no drift the averaged q is noise of std (1 + P/R) * sd0 / m0 * sqrt(b/(2-b)) (m0, sd0: the null
+        # median's mean and std, `chi2_median_moments`; b/(2-b) the variance factor of averaging with momentum
+        # b); only what stands above twice that counts as process noise.
         b = self.innovation_momentum
-        spread = (1 + (covariance / noise).mean()) * math.sqrt(2 / len(noise) * b / (2 - b))
+        spread = (1 + ratio_to_noise) * self.null_median_std / self.null_median * math.sqrt(b / (2 - b))
         predicted = covariance + (self.relative_process_noise[slot] - 2 * spread).clamp_min(0.0) * noise
         gain = predicted / (predicted + noise)
         estimate.add_(gain * innovation)
