@@ -17,6 +17,13 @@ KNN_KEYS = [f"recall@{k}" for k in KS] + ["map@r", "r_precision"]
 
 def _brute_force(q, q_labels, r=None, r_labels=None, ks=KS) -> dict[str, float]:
     """One query at a time from the full float64 similarity matrix, straight from the definitions."""
+    per_query, skipped = _brute_force_per_query(q, q_labels, r, r_labels, ks)
+    out = {key: float(np.mean(values)) for key, values in per_query.items()}
+    out["queries_without_match"] = skipped
+    return out
+
+
+def _brute_force_per_query(q, q_labels, r=None, r_labels=None, ks=KS) -> tuple[dict[str, list[float]], int]:
     leave_one_out = r is None
     if leave_one_out:
         r, r_labels = q, q_labels
@@ -37,9 +44,7 @@ def _brute_force(q, q_labels, r=None, r_labels=None, ks=KS) -> dict[str, float]:
         precisions = [correct[: j + 1].sum() / (j + 1) for j in range(big_r) if correct[j]]
         per_query["map@r"].append(sum(precisions) / big_r)
         per_query["r_precision"].append(correct[:big_r].sum() / big_r)
-    out = {key: float(np.mean(values)) for key, values in per_query.items()}
-    out["queries_without_match"] = skipped
-    return out
+    return per_query, skipped
 
 
 def _assert_knn_metrics_equal(got: dict, expected: dict) -> None:
@@ -66,6 +71,25 @@ def test_query_to_gallery_matches_brute_force(clustered_with_ties):
     got = retrieval_metrics(q, q_labels, x[gallery], labels[gallery], nmi=False)
     _assert_knn_metrics_equal(got, _brute_force(q, q_labels, x[gallery], labels[gallery]))
     assert (got["num_queries"], got["num_references"]) == (len(q), gallery.sum())
+
+
+@pytest.mark.parametrize("protocol", ["leave-one-out", "query-gallery"])
+def test_per_query_scores_are_the_values_the_metrics_average(clustered_with_ties, protocol):
+    x, labels = clustered_with_ties
+    if protocol == "leave-one-out":
+        args = (x, labels)
+    else:
+        gallery = np.arange(len(x)) % 3 != 0
+        args = (x[~gallery], labels[~gallery], x[gallery], labels[gallery])
+    metrics, scores = retrieval_metrics(*args, nmi=False, chunk_size=37, per_query=True)
+    expected, skipped = _brute_force_per_query(*args)
+    assert scores.evaluated.dtype == bool and len(scores.evaluated) == len(args[0])
+    assert (~scores.evaluated).sum() == skipped == metrics["queries_without_match"]
+    for key in KNN_KEYS:
+        assert scores.scores[key] == pytest.approx(expected[key], abs=1e-12), key
+        assert scores.scores[key].mean() == pytest.approx(metrics[key], abs=1e-12), key
+    assert set(np.unique(scores.scores["recall@1"])) <= {0.0, 1.0}
+    assert retrieval_metrics(*args, nmi=False, chunk_size=37) == metrics  # the flag changes nothing else
 
 
 def test_hand_computed_example():

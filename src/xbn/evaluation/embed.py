@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -65,39 +66,65 @@ def retrieval_protocol(manifest: pd.DataFrame, split: str) -> tuple[pd.DataFrame
     return frame, None
 
 
-def evaluate_split(model: torch.nn.Module, manifest: pd.DataFrame, root: str | Path, split: str, *,
-                   image_size: int, mean, std, ks, batch_size: int, num_workers: int, device: torch.device,
-                   amp: bool = True, channels_last: bool = False, query_chunk: int = 4096, nmi: bool = True,
-                   return_embeddings: bool = False):
-    """Retrieval metrics of `model` on a split of the manifest (see `retrieval_protocol`)."""
+class ProtocolEmbeddings(NamedTuple):
+    """A split embedded for its retrieval protocol: queries (and references, None for leave-one-out), the
+    manifest paths of the queries embedded (row i of `query_emb` is `query_paths[i]`), and the images left out
+    because they could not be read."""
+
+    query_emb: np.ndarray
+    query_labels: np.ndarray
+    reference_emb: np.ndarray | None
+    reference_labels: np.ndarray | None
+    query_paths: list[str]
+    skipped: list[str]
+
+
+def embed_protocol(model: torch.nn.Module, manifest: pd.DataFrame, root: str | Path, split: str, *,
+                   image_size: int, mean, std, batch_size: int, num_workers: int, device: torch.device,
+                   amp: bool = True, channels_last: bool = False) -> ProtocolEmbeddings:
+    """Embed the queries and references of a split of the manifest (see `retrieval_protocol`)."""
     codes = dict(zip(manifest["label"], encode_labels(manifest["label"])))
     transform = build_transform(image_size, training=False, mean=mean, std=std)
     queries, references = retrieval_protocol(manifest, split)
 
     skipped: list[str] = []
+    query_paths: list[str] = []
 
-    def run(frame):
+    def run(frame, paths: list[str] | None = None):
         # An image that became unreadable after `validate` is left out and named, not fatal.
         loader = image_loader(frame, root, frame["label"].map(codes).to_numpy(), transform, batch_size,
                               num_workers, device, skip_unreadable=True)
         kept: list[int] = []
         result = embed(model, loader, device, amp, channels_last, kept=kept)
         lost = sorted(set(range(len(frame))) - set(kept))
+        if paths is not None:
+            paths.extend(frame["path"].iloc[sorted(kept)].astype(str))
         if lost:
             skipped.extend(frame["path"].iloc[lost].tolist())
             log.warning("%s split: %d unreadable image(s) left out: %s", split, len(lost),
                         ", ".join(frame["path"].iloc[lost]))
         return result
 
-    q_emb, q_lab = run(queries)
+    q_emb, q_lab = run(queries, query_paths)
     r_emb, r_lab = run(references) if references is not None else (None, None)
-    metrics = retrieval_metrics(q_emb, q_lab, r_emb, r_lab, ks=tuple(ks), chunk_size=query_chunk,
-                                device=str(device), nmi=nmi)
+    return ProtocolEmbeddings(q_emb, q_lab, r_emb, r_lab, query_paths, skipped)
+
+
+def evaluate_split(model: torch.nn.Module, manifest: pd.DataFrame, root: str | Path, split: str, *,
+                   image_size: int, mean, std, ks, batch_size: int, num_workers: int, device: torch.device,
+                   amp: bool = True, channels_last: bool = False, query_chunk: int = 4096, nmi: bool = True,
+                   return_embeddings: bool = False):
+    """Retrieval metrics of `model` on a split of the manifest (see `retrieval_protocol`)."""
+    e = embed_protocol(model, manifest, root, split, image_size=image_size, mean=mean, std=std,
+                       batch_size=batch_size, num_workers=num_workers, device=device, amp=amp,
+                       channels_last=channels_last)
+    metrics = retrieval_metrics(e.query_emb, e.query_labels, e.reference_emb, e.reference_labels,
+                                ks=tuple(ks), chunk_size=query_chunk, device=str(device), nmi=nmi)
     # Counted (the `num_` prefix keeps it out of the quality scores) and named, for eval.json.
-    metrics["num_skipped_images"] = len(skipped)
-    metrics["skipped_images"] = skipped
+    metrics["num_skipped_images"] = len(e.skipped)
+    metrics["skipped_images"] = e.skipped
     if return_embeddings:
-        return metrics, (q_emb, q_lab, r_emb, r_lab)
+        return metrics, (e.query_emb, e.query_labels, e.reference_emb, e.reference_labels)
     return metrics
 
 

@@ -11,6 +11,7 @@ One chunked kNN search feeds every kNN metric, so memory is O(N·k + chunk·N), 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import faiss
@@ -20,6 +21,19 @@ from xbn.evaluation.knn import as_exclude, as_float32_matrix, knn_search
 
 # k-means iterations for NMI: pytorch-metric-learning's choice, so that NMI values are comparable with it.
 KMEANS_NITER = 20
+
+
+@dataclass(frozen=True)
+class QueryScores:
+    """The per-query values behind `retrieval_metrics`'s kNN metrics (`per_query=True`), for paired tests.
+
+    `evaluated` (bool [Nq]) marks the queries with at least one match, the ones every kNN metric averages
+    over; `scores[name]` (float64, one value per evaluated query, in query order) holds `recall@k` hits (1.0 /
+    0.0), `map@r` (AP@R) and `r_precision`, so that `scores[name].mean() == metrics[name]`.
+    """
+
+    evaluated: np.ndarray
+    scores: dict[str, np.ndarray]
 
 
 def retrieval_metrics(
@@ -33,7 +47,8 @@ def retrieval_metrics(
     nmi: bool = True,
     seed: int = 0,
     exclude: Any = None,
-) -> dict[str, float]:
+    per_query: bool = False,
+) -> dict[str, float] | tuple[dict[str, float], QueryScores]:
     """Recall@k for each k in `ks`, MAP@R, R-precision and NMI of L2-normalized embeddings.
 
     Without references, each query is searched among the other queries (leave-one-out); with them, among the
@@ -45,7 +60,8 @@ def retrieval_metrics(
     key out. Returns `recall@{k}`..., `map@r`, `r_precision`, `nmi`, `num_queries` (all queries given),
     `num_references` and `queries_without_match`. `exclude` (with references; int array [Nq]) leaves
     reference `exclude[i]` out of query i's search and of its R: leave-one-out when query i is a transformed
-    copy of reference i (a refined query against the plain set).
+    copy of reference i (a refined query against the plain set). `per_query=True` returns
+    `(metrics, QueryScores)`: the same search's per-query values, for a paired comparison of two models.
     """
     ks = _check_ks(ks)
     leave_one_out = reference_emb is None
@@ -77,20 +93,25 @@ def retrieval_metrics(
     has_match = num_relevant > 0
 
     out: dict[str, float] = {}
+    names = [*(f"recall@{k}" for k in ks), "map@r", "r_precision"]
+    scores = {name: np.empty(0) for name in names}
     if has_match.any():
         k = max(max(ks), int(num_relevant.max()))
         _, idx = knn_search(
             queries, references, k, exclude_self=leave_one_out, chunk_size=chunk_size, device=device,
             exclude=exclude,
         )
-        out.update(_knn_metrics(idx, q_codes, r_codes, num_relevant, ks, chunk_size))
+        metrics, scores = _knn_metrics(idx, q_codes, r_codes, num_relevant, ks, chunk_size)
+        out.update(metrics)
     else:
-        out.update(dict.fromkeys([*(f"recall@{k}" for k in ks), "map@r", "r_precision"], float("nan")))
+        out.update(dict.fromkeys(names, float("nan")))
     if nmi:
         out["nmi"] = nmi_score(queries, q_labels, seed=seed, device=device)
     out["num_queries"] = len(queries)
     out["num_references"] = len(references)
     out["queries_without_match"] = int((~has_match).sum())
+    if per_query:
+        return out, QueryScores(evaluated=has_match, scores=scores)
     return out
 
 
@@ -101,29 +122,38 @@ def _knn_metrics(
     num_relevant: np.ndarray,
     ks: list[int],
     chunk_size: int,
-) -> dict[str, float]:
-    """Average the per-query metrics over queries that have a match, a chunk of rows at a time."""
+) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """Average the per-query metrics over queries that have a match, a chunk of rows at a time; also return
+    the per-query values (one float per evaluated query, see `QueryScores`)."""
     ranks = np.arange(1, idx.shape[1] + 1)
     recall_hits = np.zeros(len(ks), dtype=np.int64)
     ap_sum = rp_sum = 0.0
     num_evaluated = 0
+    per_query: dict[str, list[np.ndarray]] = {name: [] for name in (*(f"recall@{k}" for k in ks), "map@r",
+                                                                    "r_precision")}
     for start in range(0, len(idx), chunk_size):
         rows = slice(start, start + chunk_size)
         keep = num_relevant[rows] > 0
         r = num_relevant[rows][keep]
         hit = r_codes[idx[rows][keep]] == q_codes[rows][keep, None]  # [c, k]: neighbour shares the label
         for i, k in enumerate(ks):
-            recall_hits[i] += hit[:, :k].any(axis=1).sum()
+            found = hit[:, :k].any(axis=1)
+            recall_hits[i] += found.sum()
+            per_query[f"recall@{k}"].append(found.astype(np.float64))
         # MAP@R: mean over the first R ranks of precision@i at each correct rank i, divided by R.
         relevant = hit & (ranks <= r[:, None])
         correct_so_far = np.cumsum(relevant, axis=1)
-        ap_sum += (np.where(relevant, correct_so_far / ranks, 0.0).sum(axis=1) / r).sum()
-        rp_sum += (correct_so_far[:, -1] / r).sum()
+        ap = np.where(relevant, correct_so_far / ranks, 0.0).sum(axis=1) / r
+        rp = correct_so_far[:, -1] / r
+        ap_sum += ap.sum()
+        rp_sum += rp.sum()
+        per_query["map@r"].append(ap)
+        per_query["r_precision"].append(rp)
         num_evaluated += len(r)
     out = {f"recall@{k}": float(hits / num_evaluated) for k, hits in zip(ks, recall_hits)}
     out["map@r"] = float(ap_sum / num_evaluated)
     out["r_precision"] = float(rp_sum / num_evaluated)
-    return out
+    return out, {name: np.concatenate(values) for name, values in per_query.items()}
 
 
 def nmi_score(embeddings: Any, labels: Any, *, seed: int = 0, device: Any = "cpu") -> float:
