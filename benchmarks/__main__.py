@@ -4,7 +4,7 @@
     python -m benchmarks eval     [--quick] [--sizes ...]
     python -m benchmarks loader   [--quick]
     python -m benchmarks pipeline [--quick]
-    python -m benchmarks omniglot [--quick] [--seeds ...] [--epochs ...] ...
+    python -m benchmarks grid     [--quick] [--datasets ...] [--batches ...] [--seeds ...] [--workers N]
     python -m benchmarks gpu      [--quick]            (CUDA only: records 'not run' otherwise)
     python -m benchmarks methods  [--only ...] [--set ...]  (every method via dvc exp run; about 2 hours)
     python -m benchmarks all      [--quick]            (each of the above with its defaults, then the report)
@@ -21,7 +21,7 @@ import argparse
 import sys
 import traceback
 
-NAMES = ("memory", "eval", "loader", "pipeline", "omniglot", "gpu", "methods")
+NAMES = ("memory", "eval", "loader", "pipeline", "grid", "gpu", "methods")
 
 
 def run(name: str, argv: list[str]) -> None:
@@ -56,17 +56,10 @@ def run(name: str, argv: list[str]) -> None:
         from benchmarks import gpu_bench
 
         gpu_bench.main(argv)
-    elif name == "omniglot":
-        from benchmarks import omniglot
+    elif name == "grid":
+        from benchmarks import grid
 
-        parser = argparse.ArgumentParser(prog="python -m benchmarks omniglot", description=omniglot.__doc__)
-        omniglot.add_arguments(parser)
-        parser.add_argument("--quick", action="store_true", help="2 methods, tiny split, 1 epoch at 32 px")
-        args = parser.parse_args(argv)
-        if args.quick:
-            for key, value in omniglot.QUICK.items():
-                setattr(args, key, value)
-        omniglot.main(args)
+        grid.main(argv)
     elif name == "report":
         from benchmarks import report
 

@@ -46,6 +46,7 @@ def machine_info(packages: tuple[str, ...] = ()) -> dict[str, Any]:
         "python": platform.python_version(),
         "packages": {name: _version(name) for name in packages},
         "git_commit": _git_commit(),
+        "git_dirty": _git_dirty(),  # tracked files differed from the commit: the numbers are not its own
     }
 
 
@@ -62,6 +63,15 @@ def _git_commit() -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
+
+
+def _git_dirty() -> bool | None:
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
 
 
 def write_result(name: str, data: dict[str, Any]) -> Path:

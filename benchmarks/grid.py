@@ -1,0 +1,285 @@
+"""Evidence over seeds: every memory method at several batch sizes, 3 seeds each, on the glyph default and on
+Omniglot (seed 000's Table 2 / Figure 1 form), within a CPU budget.
+
+    python -m benchmarks grid [--datasets glyphs omniglot] [--batches 16 64] [--seeds 0 1 2] [--workers 2]
+    python -m benchmarks grid --quick          (2 methods, 1 seed, 1 epoch: checks the machinery)
+
+Each run trains through xbn's own API (`xbn.training.trainer.train`, the shipped defaults of params.yaml plus the
+method's and the scale's overrides below, so `memory.start`, the lr step and AXBN's values are the shipped
+ones) and evaluates the selected model on the test split (`xbn.stages.evaluate.evaluate`, leave-one-out). The
+validation R@1 of the selected epoch is recorded too: the shipped default method is chosen on it, never on test.
+
+Scale (chosen to fit the whole grid in about 90 minutes on the 2-core CPU machine; see `DATASETS`): 32 px
+images, 1 head warm-up + 8 epochs, the lr stepped every 3 epochs (seed 000's 15 of 50, scaled), memory = the
+training set, so the memory turns over once an epoch, 8 times a run. Omniglot is read from
+`../shared/data/omniglot` (not part of the project; skipped with a message when absent) and exported once to
+PNG files in a cache folder. Runs go to `--workers` processes with `--threads` torch threads each; the results
+file is rewritten after every run, so an interrupted grid keeps what finished, and `--resume` skips the runs it
+already holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as futures
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import RESULTS_DIR, machine_info, markdown_table, write_result
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+CACHE = Path(os.environ.get("XBN_BENCH_CACHE", Path.home() / ".cache" / "xbn-bench"))
+PACKAGES = ("torch", "timm", "pytorch-metric-learning", "faiss-cpu", "numpy")
+
+# name -> params overrides (everything else is params.yaml's shipped default).
+METHODS: dict[str, list[str]] = {
+    "none": ["memory.method=none"],
+    "xbm": ["memory.method=xbm"],
+    "xbm*": ["memory.method=xbm", "memory.add_batch_loss=true"],
+    "xbn": ["memory.method=xbn"],
+    "axbn": ["memory.method=axbn"],  # seed 000's p0 = 1, q = 1, r = 0.01, N = 100 (the shipped values)
+    "ema": ["memory.method=ema"],  # m = 0.1, the paper's convention and best value (shipped)
+    "axbn_auto": ["memory.method=axbn_auto"],
+}
+# The memory methods the shipped default is chosen from (issue 13: on validation R@1, mean over seeds).
+DEFAULT_CANDIDATES = ("xbn", "axbn", "axbn_auto")
+
+# Per dataset: the classes and images kept, and the image size. Glyphs: the embedded generator at 32 px,
+# 240 classes (120 train, of which 18 carved out for validation, 120 test), 6 images each. Omniglot: 120 of the
+# 700 training characters (18 for validation) and 100 of the 264 test characters, 10 drawings each.
+DATASETS: dict[str, dict[str, int]] = {
+    "glyphs": {"classes": 240, "images_per_class": 6, "image_size": 32},
+    "omniglot": {"train_classes": 120, "test_classes": 100, "images_per_class": 10, "image_size": 32},
+}
+SCALE = {"warmup_epochs": 1, "epochs": 8, "lr_step_epochs": 3, "val_classes": 0.15}
+
+QUICK = {"methods": ["none", "xbn"], "batches": [16], "seeds": [0], "epochs": 1, "datasets": ["glyphs"],
+         "output": "grid_quick"}
+
+
+def prepare(dataset: str, work: Path) -> tuple[list[str], dict[str, Any]]:
+    """The dataset's files and manifest under `work`; returns the data overrides and a description."""
+    from xbn.data import carve_validation, read_dataset, write_manifest
+
+    spec = DATASETS[dataset]
+    manifest = work / dataset / "manifest.csv"
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    if dataset == "glyphs":
+        from xbn.data.glyphs import generate_glyphs
+
+        root = generate_glyphs(CACHE / f"glyphs-{spec['classes']}-{spec['images_per_class']}-{spec['image_size']}",
+                               classes=spec["classes"], images_per_class=spec["images_per_class"],
+                               image_size=spec["image_size"], seed=0)
+        frame = read_dataset("glyphs", root)
+        data = ["data.dataset=glyphs", f"data.root={root}"]
+    else:
+        from benchmarks.omniglot import NPZ, export, write_labels
+
+        if not NPZ.exists():
+            raise FileNotFoundError(f"{NPZ} not found (the data is not part of the project)")
+        root = export()
+        labels = manifest.parent / "labels.csv"
+        write_labels(root, labels, spec["train_classes"], spec["test_classes"], spec["images_per_class"])
+        frame = read_dataset("csv", root, labels_file=labels)
+        data = ["data.dataset=csv", f"data.root={root}", f"data.labels_file={labels}"]
+    frame = carve_validation(frame, SCALE["val_classes"], seed=0)
+    write_manifest(frame, manifest)
+    counts = {s: {"images": int((frame["split"] == s).sum()), "classes": int(frame[frame["split"] == s]["label"]
+                                                                              .nunique())}
+              for s in ("train", "val", "test")}
+    data += [f"data.manifest={manifest}", f"data.image_size={spec['image_size']}",
+             f"data.val_classes={SCALE['val_classes']}", "validate.check_published_counts=false"]
+    return data, {"spec": spec, "splits": counts}
+
+
+def run_overrides(data: list[str], method: str, batch: int, seed: int, run_dir: Path, epochs: int) -> list[str]:
+    return [
+        *data, *METHODS[method], "memory.size=1.0",
+        f"train.batch_size={batch}", f"train.epochs={epochs}", f"train.warmup_epochs={SCALE['warmup_epochs']}",
+        f"train.lr_step_epochs={SCALE['lr_step_epochs']}", f"train.seed={seed}", "train.device=cpu",
+        f"train.checkpoint_dir={run_dir / 'models'}", f"train.metrics_dir={run_dir / 'metrics'}",
+        "train.log_every=1000", "data.num_workers=0",
+        "eval.baseline=false", "eval.embedding_space=false", f"eval.output={run_dir / 'metrics' / 'eval.json'}",
+        "eval.k=[1,2,4,8]", "tracking.enabled=false",
+    ]
+
+
+def run_one(overrides: list[str], threads: int) -> dict[str, Any]:
+    """One training + test evaluation in this (worker) process."""
+    import torch
+
+    from xbn.config import load_params
+    from xbn.stages.evaluate import evaluate
+    from xbn.training.trainer import train
+
+    torch.set_num_threads(threads)
+    params = load_params(REPO / "params.yaml", overrides)
+    load = os.getloadavg()
+    started = time.perf_counter()
+    summary = train(params, progress=False)
+    train_s = time.perf_counter() - started
+    metrics = evaluate(params)
+    return {"recall@1": metrics["recall@1"], "map@r": metrics["map@r"], "recall@4": metrics.get("recall@4"),
+            "nmi": metrics.get("nmi"), "val_recall@1": summary["best_val_recall@1"],
+            "untrained_val_recall@1": summary["untrained_val_recall@1"], "best_epoch": summary["best_epoch"],
+            "iterations": summary["iterations"], "memory_rows": summary["memory_rows"],
+            "train_s": round(train_s, 1), "loadavg_before": load[0], "loadavg_after": os.getloadavg()[0]}
+
+
+def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean and sample std over seeds per (dataset, method, batch)."""
+    table = []
+    keys = sorted({(r["dataset"], r["batch"]) for r in runs})
+    for dataset, batch in keys:
+        for method in METHODS:
+            sel = [r for r in runs if (r["dataset"], r["method"], r["batch"]) == (dataset, method, batch)
+                   and "recall@1" in r]
+            if not sel:
+                continue
+            row: dict[str, Any] = {"dataset": dataset, "method": method, "batch": batch, "seeds": len(sel)}
+            for key in ("recall@1", "map@r", "val_recall@1"):
+                values = [r[key] for r in sel]
+                row[key] = statistics.mean(values)
+                row[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else None
+            row["train_s"] = statistics.mean(r["train_s"] for r in sel)
+            table.append(row)
+    return table
+
+
+def render(result: dict[str, Any], dataset: str) -> str:
+    def cell(r: dict[str, Any], key: str) -> str:
+        return f"{r[key]:.4f} ± {r[key + '_std']:.4f}" if r[key + "_std"] is not None else f"{r[key]:.4f}"
+
+    rows = [[r["method"], r["batch"], r["seeds"], cell(r, "recall@1"), cell(r, "map@r"), cell(r, "val_recall@1"),
+             round(r["train_s"])] for r in result["table"] if r["dataset"] == dataset]
+    return markdown_table(["method", "batch", "seeds", "test R@1", "test MAP@R", "val R@1", "train s"], rows)
+
+
+def plot(result: dict[str, Any], path: Path) -> Path | None:
+    """Test R@1 against batch size per method, one panel per dataset (seed 000's Figure 1 form)."""
+    datasets = sorted({r["dataset"] for r in result["table"]})
+    if not datasets:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from xbn.utils.io import atomic_path
+
+    fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4), squeeze=False)
+    for ax, dataset in zip(axes[0], datasets):
+        for method in METHODS:
+            sel = sorted((r for r in result["table"] if r["dataset"] == dataset and r["method"] == method),
+                         key=lambda r: r["batch"])
+            if sel:
+                ax.errorbar([r["batch"] for r in sel], [r["recall@1"] for r in sel],
+                            yerr=[r["recall@1_std"] or 0 for r in sel], marker="o", capsize=3, label=method)
+        batches = sorted({r["batch"] for r in result["table"] if r["dataset"] == dataset})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("test Recall@1 (mean ± std over seeds)")
+        ax.set_title(dataset)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--datasets", nargs="+", choices=list(DATASETS), default=list(DATASETS))
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--epochs", type=int, default=SCALE["epochs"], help="after the 1-epoch head warm-up")
+    parser.add_argument("--workers", type=int, default=2, help="runs in parallel (processes)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--resume", action="store_true", help="keep the runs already in the results file")
+    parser.add_argument("--output", default="grid")
+    parser.add_argument("--quick", action="store_true", help="2 methods, 1 seed, 1 epoch, glyphs only")
+
+
+def main(argv: list[str]) -> int:
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks grid", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    path = RESULTS_DIR / f"{args.output}.json"
+    old = json.loads(path.read_text()) if args.resume and path.exists() else {}
+    result: dict[str, Any] = {
+        "benchmark": "memory methods x batch size x seed, test R@1 and MAP@R",
+        "command": "python -m benchmarks grid " + " ".join(argv),
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(PACKAGES),
+        "settings": {**{k: getattr(args, k) for k in ("datasets", "methods", "batches", "seeds", "epochs",
+                                                     "workers", "threads")},
+                     "scale": SCALE, "datasets_spec": {d: DATASETS[d] for d in args.datasets},
+                     "backbone": "tf_efficientnet_lite0 (offline ImageNet weights), memory.size=1.0"},
+        "data": {}, "runs": [r for r in old.get("runs", []) if "recall@1" in r], "table": [],
+    }
+    done = {(r["dataset"], r["method"], r["batch"], r["seed"]) for r in result["runs"]}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="xbn_grid_") as tmp:
+        work = Path(tmp)
+        jobs = []
+        for dataset in args.datasets:
+            try:
+                data, info = prepare(dataset, work)
+            except FileNotFoundError as exc:
+                print(f"grid: {dataset} skipped: {exc}", flush=True)
+                continue
+            result["data"][dataset] = info
+            print(f"grid: {dataset}: {info['splits']}", flush=True)
+            # Seed-major: a grid stopped early has whole seeds rather than whole methods.
+            for seed in args.seeds:
+                for batch in args.batches:
+                    for method in args.methods:
+                        if (dataset, method, batch, seed) in done:
+                            continue
+                        run_dir = work / "runs" / f"{dataset}_{method.replace('*', 'star')}_b{batch}_s{seed}"
+                        jobs.append(({"dataset": dataset, "method": method, "batch": batch, "seed": seed},
+                                     run_overrides(data, method, batch, seed, run_dir, args.epochs)))
+        print(f"grid: {len(jobs)} runs on {args.workers} worker(s) x {args.threads} thread(s)", flush=True)
+        context = multiprocessing.get_context("spawn")
+        with futures.ProcessPoolExecutor(args.workers, mp_context=context) as pool:
+            pending = {pool.submit(run_one, overrides, args.threads): key for key, overrides in jobs}
+            for i, future in enumerate(futures.as_completed(pending), 1):
+                key = pending[future]
+                try:
+                    run = {**key, **future.result()}
+                except Exception as exc:  # one failed configuration must not lose the others
+                    run = {**key, "error": f"{type(exc).__name__}: {exc}"}
+                result["runs"].append(run)
+                result["table"] = aggregate(result["runs"])
+                result["elapsed_s"] = round(time.perf_counter() - started, 1)
+                result["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+                write_result(args.output, result)
+                shown = {k: run[k] for k in ("recall@1", "val_recall@1", "train_s", "error") if k in run}
+                print(f"[{i}/{len(jobs)}] {key}: {shown}", flush=True)
+    result["machine"]["git_commit_end"] = machine_info()["git_commit"]
+    result["plot"] = str(plot(result, DOCS / f"{args.output}_recall.png"))
+    write_result(args.output, result)
+    for dataset in result["data"]:
+        print(f"\n{dataset}\n{render(result, dataset)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
