@@ -18,9 +18,10 @@ from xbn.training.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
-# axbn: the Kalman state and R = r/|B| depend on the global batch. 3 epochs (1 warm-up) x 2 batches of 16; the
-# 36-row memory wraps around; the warm-up -> main switch re-wraps the model in DDP.
-RUN = ["memory.method=axbn", "memory.size=36"]
+# axbn: the Kalman state and R = r/|B| depend on the global batch; axbn_auto: so do R = s^2/|B| and the
+# innovation test pooled over the dimensions. 3 epochs (1 warm-up) x 2 batches of 16; the 36-row memory wraps
+# around; the warm-up -> main switch re-wraps the model in DDP.
+METHODS = ["axbn", "axbn_auto"]
 WORLD = 2
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -63,18 +64,21 @@ def epoch_table(result: dict) -> torch.Tensor:
     return torch.tensor([list(row.values()) for row in result["epochs"]], dtype=torch.float64)
 
 
-def test_ddp_loss_and_memory_equal_single_process(tiny_params, glyph_root, tmp_path):
-    single_params = tiny_params(*RUN)
+@pytest.mark.parametrize("method", METHODS)
+def test_ddp_loss_and_memory_equal_single_process(tiny_params, glyph_root, tmp_path, method):
+    run = [f"memory.method={method}", "memory.size=36"]
+    single_params = tiny_params(*run)
     prepare(single_params)
     single = train_and_collect(single_params)
 
-    overrides = [*TINY, f"data.root={glyph_root}", *RUN, "train.checkpoint_dir=ddp_models",
+    overrides = [*TINY, f"data.root={glyph_root}", *run, "train.checkpoint_dir=ddp_models",
                  "train.metrics_dir=ddp_metrics"]
     mp.spawn(worker, args=(str(tmp_path), str(tmp_path / "init"), overrides), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
     assert single["local_rows"] == [16] * 6
     assert len(single["criterion"]["memory.embedding_memory"]) == 36
+    assert int(single["criterion"]["memory.moments.steps"]) > 0  # the moment filter ran
     for result in ranks:
         assert result["local_rows"] == [8] * 6  # each rank loaded half of every global batch
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single["losses"]), **TOL)

@@ -68,3 +68,36 @@ def test_nan_loss_stops_with_diagnostic_and_keeps_checkpoint(tiny_params):
     with pytest.raises(NonFiniteLossError, match=r"loss is nan at epoch 4, iteration \d+ \(embeddings finite: False\)"):
         trainer.fit()
     assert Path("models/last.pt").read_bytes() == before
+
+
+def test_axbn_auto_resumed_after_epoch_1_equals_uninterrupted_run(tiny_params):
+    # No head warm-up, so the memory and its noise-adaptive filter are at work from the first step.
+    run = ["memory.method=axbn_auto", "memory.size=24", "train.batch_size=8", "train.warmup_epochs=0"]
+    params = tiny_params(*run, "train.checkpoint_dir=full", "train.metrics_dir=full_metrics")
+    prepare(params)
+    full = Trainer(params, progress=False)
+    full.fit()
+
+    # Stopped after epoch 1 of 2 (what a kill after the epoch-1 checkpoint leaves), then resumed.
+    Trainer(tiny_params(*run, "train.epochs=1", "train.checkpoint_dir=part", "train.metrics_dir=part_metrics"),
+            progress=False).fit()
+    saved = torch.load("part/last.pt", weights_only=True)["criterion"]
+    assert int(saved["memory.moments.steps"]) > 0 and saved["memory.moments.relative_process_noise"].any()
+    resumed = Trainer(tiny_params(*run, "train.checkpoint_dir=part", "train.metrics_dir=part_metrics"),
+                      progress=False)
+    assert resumed.resume() and resumed.epoch == 1
+    resumed.fit()
+
+    expected, got = full.criterion.state_dict(), resumed.criterion.state_dict()
+    assert expected.keys() == got.keys() and any(k.startswith("memory.moments.") for k in expected)
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+        else:  # queue pointer, fill flag, iteration counters
+            assert got[key] == value, key
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+    assert resumed.history.steps == full.history.steps  # per-step loss, gain, memory moments
+    # per-epoch loss and validation recall, exactly (json: the untrained row's loss is NaN, and NaN != NaN)
+    assert json.dumps(resumed.history.epochs) == json.dumps(full.history.epochs)
+    assert resumed.summary() == full.summary()
