@@ -55,14 +55,16 @@ DEFAULT_CANDIDATES = ("xbn", "axbn", "axbn_auto")
 # Per dataset: the classes and images kept, and the image size. Glyphs: the embedded generator at 32 px,
 # 240 classes (120 train, of which 18 carved out for validation, 120 test), 6 images each. Omniglot: 120 of the
 # 700 training characters (18 for validation) and 100 of the 264 test characters, 10 drawings each.
+# `default` is what `make run` trains: params.yaml's own glyph set and schedule, nothing scaled down (the
+# shipped-defaults claim: `--datasets default --methods none <default method> --batches 64 --output promise`).
 DATASETS: dict[str, dict[str, int]] = {
+    "default": {},
     "glyphs": {"classes": 240, "images_per_class": 6, "image_size": 32},
     "omniglot": {"train_classes": 120, "test_classes": 100, "images_per_class": 10, "image_size": 32},
 }
 SCALE = {"warmup_epochs": 1, "epochs": 8, "lr_step_epochs": 3, "val_classes": 0.15}
 
-QUICK = {"methods": ["none", "xbn"], "batches": [16], "seeds": [0], "epochs": 1, "datasets": ["glyphs"],
-         "output": "grid_quick"}
+QUICK = {"methods": ["none", "xbn"], "batches": [16], "seeds": [0], "datasets": ["glyphs"], "output": "grid_quick"}
 
 
 def prepare(dataset: str, work: Path) -> tuple[list[str], dict[str, Any]]:
@@ -72,6 +74,19 @@ def prepare(dataset: str, work: Path) -> tuple[list[str], dict[str, Any]]:
     spec = DATASETS[dataset]
     manifest = work / dataset / "manifest.csv"
     manifest.parent.mkdir(parents=True, exist_ok=True)
+    if dataset == "default":
+        from xbn.config import load_params
+        from xbn.data.glyphs import generate_glyphs
+
+        d = load_params(REPO / "params.yaml").data
+        g = d.glyphs
+        spec = {**g.model_dump(), "image_size": d.image_size}
+        root = generate_glyphs(CACHE / f"glyphs-{g.classes}-{g.images_per_class}-{g.image_size}-{g.seed}",
+                               classes=g.classes, images_per_class=g.images_per_class, image_size=g.image_size,
+                               seed=g.seed)
+        frame = carve_validation(read_dataset("glyphs", root), d.val_classes, seed=d.split_seed)
+        write_manifest(frame, manifest)
+        return [f"data.root={root}", f"data.manifest={manifest}"], {"spec": spec, "splits": _counts(frame)}
     if dataset == "glyphs":
         from xbn.data.glyphs import generate_glyphs
 
@@ -92,19 +107,23 @@ def prepare(dataset: str, work: Path) -> tuple[list[str], dict[str, Any]]:
         data = ["data.dataset=csv", f"data.root={root}", f"data.labels_file={labels}"]
     frame = carve_validation(frame, SCALE["val_classes"], seed=0)
     write_manifest(frame, manifest)
-    counts = {s: {"images": int((frame["split"] == s).sum()), "classes": int(frame[frame["split"] == s]["label"]
-                                                                              .nunique())}
-              for s in ("train", "val", "test")}
     data += [f"data.manifest={manifest}", f"data.image_size={spec['image_size']}",
-             f"data.val_classes={SCALE['val_classes']}", "validate.check_published_counts=false"]
-    return data, {"spec": spec, "splits": counts}
+             f"data.val_classes={SCALE['val_classes']}", "validate.check_published_counts=false",
+             f"train.epochs={SCALE['epochs']}", f"train.warmup_epochs={SCALE['warmup_epochs']}",
+             f"train.lr_step_epochs={SCALE['lr_step_epochs']}"]
+    return data, {"spec": spec, "splits": _counts(frame)}
 
 
-def run_overrides(data: list[str], method: str, batch: int, seed: int, run_dir: Path, epochs: int) -> list[str]:
+def _counts(frame) -> dict[str, dict[str, int]]:
+    return {s: {"images": int((frame["split"] == s).sum()), "classes": int(frame[frame["split"] == s]["label"]
+                                                                           .nunique())}
+            for s in ("train", "val", "test")}
+
+
+def run_overrides(data: list[str], method: str, batch: int, seed: int, run_dir: Path) -> list[str]:
     return [
         *data, *METHODS[method], "memory.size=1.0",
-        f"train.batch_size={batch}", f"train.epochs={epochs}", f"train.warmup_epochs={SCALE['warmup_epochs']}",
-        f"train.lr_step_epochs={SCALE['lr_step_epochs']}", f"train.seed={seed}", "train.device=cpu",
+        f"train.batch_size={batch}", f"train.seed={seed}", "train.device=cpu",
         f"train.checkpoint_dir={run_dir / 'models'}", f"train.metrics_dir={run_dir / 'metrics'}",
         "train.log_every=1000", "data.num_workers=0",
         "eval.baseline=false", "eval.embedding_space=false", f"eval.output={run_dir / 'metrics' / 'eval.json'}",
@@ -199,11 +218,10 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--datasets", nargs="+", choices=list(DATASETS), default=list(DATASETS))
+    parser.add_argument("--datasets", nargs="+", choices=list(DATASETS), default=["glyphs", "omniglot"])
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--epochs", type=int, default=SCALE["epochs"], help="after the 1-epoch head warm-up")
     parser.add_argument("--workers", type=int, default=2, help="runs in parallel (processes)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--resume", action="store_true", help="keep the runs already in the results file")
@@ -228,8 +246,8 @@ def main(argv: list[str]) -> int:
         "command": "python -m benchmarks grid " + " ".join(argv),
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(PACKAGES),
-        "settings": {**{k: getattr(args, k) for k in ("datasets", "methods", "batches", "seeds", "epochs",
-                                                     "workers", "threads")},
+        "settings": {**{k: getattr(args, k) for k in ("datasets", "methods", "batches", "seeds", "workers",
+                                                     "threads")},
                      "scale": SCALE, "datasets_spec": {d: DATASETS[d] for d in args.datasets},
                      "backbone": "tf_efficientnet_lite0 (offline ImageNet weights), memory.size=1.0"},
         "data": {}, "runs": [r for r in old.get("runs", []) if "recall@1" in r], "table": [],
@@ -255,7 +273,7 @@ def main(argv: list[str]) -> int:
                             continue
                         run_dir = work / "runs" / f"{dataset}_{method.replace('*', 'star')}_b{batch}_s{seed}"
                         jobs.append(({"dataset": dataset, "method": method, "batch": batch, "seed": seed},
-                                     run_overrides(data, method, batch, seed, run_dir, args.epochs)))
+                                     run_overrides(data, method, batch, seed, run_dir)))
         print(f"grid: {len(jobs)} runs on {args.workers} worker(s) x {args.threads} thread(s)", flush=True)
         context = multiprocessing.get_context("spawn")
         with futures.ProcessPoolExecutor(args.workers, mp_context=context) as pool:
