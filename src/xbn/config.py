@@ -267,12 +267,39 @@ class TrackingConfig(Section):
 
 
 class RegistryConfig(Section):
+    """`xbn register`'s promotion gate: the challenger and the champion are both embedded on `gate_split`
+    (never the test split) and compared query by query with a paired bootstrap (see `xbn.stages.gate`)."""
+
     model_name: str = "xbn-embedder"
-    primary_metric: str = "recall@1"
+    # A per-query metric (the bootstrap resamples queries): recall@k, map@r or r_precision.
+    primary_metric: str = Field("recall@1", pattern=r"^(recall@[1-9][0-9]*|map@r|r_precision)$")
+    # The lower bound of the primary metric's interval (challenger - champion) must exceed this.
     min_improvement: float = Field(0.0, ge=0.0)
-    tolerance: float = Field(0.01, ge=0.0)
+    tolerance: float = Field(0.01, ge=0.0)  # how far a guarded metric may fall (on gate_split)
     guarded_metrics: list[str] = ["recall@10", "map@r", "r_precision", "nmi"]
+    gate_split: Literal["val"] = "val"  # the split promotion is decided on; the test split only reports
+    bootstrap_resamples: int = Field(1000, ge=1000)
+    bootstrap_seed: int = Field(0, ge=0)
+    confidence: float = Field(0.95, gt=0.0, lt=1.0)
     report: str = "reports/registry.json"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _never_test(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and raw.get("gate_split") in ("test", "query", "gallery"):
+            raise ValueError(f"registry.gate_split: '{raw['gate_split']}' is the test protocol, which "
+                             "reports the final quality and never decides a promotion (selecting on it would "
+                             "bias what it reports); use val")
+        return raw
+
+    @model_validator(mode="after")
+    def _guarded_are_measurable(self):
+        for name in self.guarded_metrics:
+            k = name.removeprefix("recall@")
+            if name not in ("map@r", "r_precision", "nmi") and not (k != name and k.isdigit() and int(k) > 0):
+                raise ValueError(f"registry.guarded_metrics: '{name}' is not measured on the gate split "
+                                 "(recall@k, map@r, r_precision or nmi)")
+        return self
 
 
 class TuneConfig(Section):

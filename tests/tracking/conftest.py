@@ -35,7 +35,7 @@ def params(tmp_path, monkeypatch, store_template) -> Params:
     shutil.copy(store_template, tmp_path / "mlflow.db")
     write_manifest(tmp_path / "data/manifest.csv", "v1")
     yield Params.model_validate({
-        "data": {"image_size": 32, "num_workers": 0},
+        "data": {"root": "data/images", "image_size": 32, "num_workers": 0},
         "model": {"backbone": "test_resnet", "pretrained": "none", "embedding_dim": 8},
         "tracking": {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
     })

@@ -1,12 +1,19 @@
-"""Builders for the tracking tests: tiny real models (timm's `test_resnet`), eval results, manifests, and a
-pipeline execution as `dvc repro` runs it around the registry."""
+"""Builders for the tracking tests: tiny real models (timm's `test_resnet`), eval results, manifests with real
+images, and a pipeline execution as `dvc repro` runs it around the registry.
+
+The gate embeds the `val` rows with each model, so the images are real: 8 classes of 4 solid-colour images.
+A random-init model retrieves them perfectly (R@1 = 1 on every query); a `blind` model (its head's weights
+zeroed, so every image gets the same embedding) retrieves by tie order, about never (R@1 near 0). That gives
+the gate known outcomes: blind -> seeing is a clear improvement, seeing -> seeing a tie."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 
 from xbn.config import Params
 from xbn.models import Embedder, build_embedder, save_embedder
@@ -17,15 +24,40 @@ METRICS = {"recall@1": 0.50, "recall@2": 0.60, "recall@10": 0.80, "map@r": 0.30,
            "nmi": 0.60}
 
 
-def write_manifest(path: Path, version: str) -> None:
+VAL_CLASSES, PER_CLASS = 8, 4
+VAL_QUERIES = VAL_CLASSES * PER_CLASS
+
+
+def write_manifest(path: Path, version: str, val: bool = True) -> None:
+    """The manifest at `path` and its images under `<path's folder>/images/<version>/` (params' `data.root` is
+    `data/images`): `VAL_CLASSES` classes of `PER_CLASS` solid-colour images as `val` rows (left out with
+    `val=False`), and two `test` rows. Another `version` is other data (another data hash)."""
+    root = path.parent / "images"
+    rng = np.random.default_rng(sum(map(ord, version)))
+    rows = ["path,label,split"]
+    for c in range(VAL_CLASSES + 1):
+        colour = rng.integers(0, 256, 3)
+        for i in range(PER_CLASS if c < VAL_CLASSES else 2):
+            name = f"{version}/c{c}_{i}.png"
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            pixels = np.clip(colour + rng.normal(0, 8, (32, 32, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(root / name)
+            if c < VAL_CLASSES and val:
+                rows.append(f"{name},{c},val")
+            elif c == VAL_CLASSES:
+                rows.append(f"{name},test,test")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"path,label,split\n{version}/a.png,1,test\n{version}/b.png,1,test\n")
+    path.write_text("\n".join(rows) + "\n")
 
 
-def write_model(params: Params, seed: int) -> Embedder:
-    """A tiny real embedder (different weights per seed) saved as models/model.pt; returned in eval mode."""
+def write_model(params: Params, seed: int, blind: bool = False) -> Embedder:
+    """A tiny real embedder (different weights per seed) saved as models/model.pt; returned in eval mode.
+    `blind`: its head's weights are zero, so it gives every image the same embedding (its bias)."""
     torch.manual_seed(seed)
     embedder, data_config = build_embedder(params.model)
+    if blind:
+        with torch.no_grad():
+            embedder.head.weight.zero_()
     save_embedder(Path(params.train.checkpoint_dir) / "model.pt", embedder, params.model, data_config,
                   {"epoch": seed})
     return embedder.eval()
@@ -40,9 +72,9 @@ def write_eval(params: Params, **changes: float) -> dict:
     return metrics
 
 
-def run_pipeline(params: Params, seed: int, **metric_changes: float) -> dict:
+def run_pipeline(params: Params, seed: int, blind: bool = False, **metric_changes: float) -> dict:
     """What `dvc repro` does around the registry: train (starts the run), evaluate, register (joins it)."""
-    write_model(params, seed)
+    write_model(params, seed, blind)
     write_eval(params, **metric_changes)
     with pipeline_run(params, "train", new=True):
         pass

@@ -25,15 +25,16 @@ from .helpers import write_eval, write_model
 LOCKS = Path(__file__).resolve().parents[2] / "src/xbn/tracking/locks.py"
 
 
-def _workdir(params, root: Path, seed: int, recall: float) -> Path:
-    """A project directory of its own (model, eval results, the same manifest) sharing the test's store, with
-    its model already logged to its run (as `xbn train` leaves it), so `register` goes straight to deciding."""
+def _workdir(params, root: Path, seed: int, recall: float, blind: bool = False) -> Path:
+    """A project directory of its own (model, eval results, the same manifest and images) sharing the test's
+    store, with its model already logged to its run (as `xbn train` leaves it), so `register` goes straight to
+    deciding."""
     cwd = Path.cwd()
     root.mkdir()
     shutil.copytree(cwd / "data", root / "data")
     os.chdir(root)
     try:
-        write_model(params, seed)
+        write_model(params, seed, blind)
         write_eval(params, **{"recall@1": recall})
         with pipeline_run(params, "train", new=True) as run:
             log_model(params, run)
@@ -59,7 +60,8 @@ register(params)
 
 
 def test_two_racing_registers_leave_one_champion_and_a_decision_on_both(params, tmp_path):
-    dirs = [_workdir(params, tmp_path / "a", seed=1, recall=0.5),
+    # a is blind on val, b sees: b second beats a, a second loses to b.
+    dirs = [_workdir(params, tmp_path / "a", seed=1, recall=0.5, blind=True),
             _workdir(params, tmp_path / "b", seed=2, recall=0.6)]
     go = tmp_path / "go"
     procs = [subprocess.Popen([sys.executable, "-c", _REGISTER, str(go)], cwd=d, stdout=subprocess.PIPE,
@@ -85,7 +87,7 @@ def test_two_racing_registers_leave_one_champion_and_a_decision_on_both(params, 
     first = [v for v, mv in found.items() if "first registered model" in mv.tags["reason"]]
     assert first == [1], {v: mv.tags["reason"] for v, mv in found.items()}
     second = found[2]
-    assert "champion v1" in second.tags["reason"]
+    assert "champion v1" in second.tags["reason"] and second.tags["gate_interval"].endswith("vs champion v1")
     if second.tags["decision"] == "promoted":  # b (better) came second
         assert champions == [2] and second.tags["previous_champion"] == "1"
     else:  # a (worse) came second

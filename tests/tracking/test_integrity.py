@@ -40,6 +40,18 @@ def test_a_tampered_registered_checkpoint_is_refused_naming_file_and_hashes(para
     assert recorded in message and tampered in message and "model.pt" in message
 
 
+def test_the_gate_loads_the_champion_only_if_its_checkpoint_is_the_registered_one(params, tmp_path):
+    # The gate embeds the val split with the champion: a champion altered in the artifact store is refused
+    # before torch.load sees it, and the challenger is held for review instead of compared with it.
+    run_pipeline(params, seed=0, blind=True)
+    stored = _stored_checkpoints(tmp_path)
+    stored[0].write_bytes(stored[0].read_bytes() + b"\0")
+    held = run_pipeline(params, seed=1)
+    assert held["decision"] == "held" and held["alias"] == "challenger" and held["champion_version"] == 1
+    assert held["reason"].startswith("champion v1 cannot be compared: refusing to load the checkpoint of ")
+    assert "not promoted automatically" in held["reason"] and held["gate"] is None
+
+
 def test_verify_file_accepts_the_recorded_hash_only(tmp_path):
     path = tmp_path / "model.pt"
     path.write_bytes(b"weights")

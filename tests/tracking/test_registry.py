@@ -1,5 +1,5 @@
-"""The registry stage against a real SQLite store: first model -> champion, the gate, idempotent re-register,
-manual promote and rollback, the review table."""
+"""The registry stage against a real SQLite store: first model -> champion, the gate on the val split (both
+models embedded, paired bootstrap), idempotent re-register, manual promote and rollback, the review table."""
 
 from __future__ import annotations
 
@@ -12,13 +12,19 @@ from mlflow.tracking import MlflowClient
 
 from xbn.stages.register import promote, register, review, rollback
 
-from .helpers import run_pipeline, write_manifest
+from .helpers import VAL_QUERIES, run_pipeline, write_manifest
 
 
 def versions(params) -> dict[int, dict]:
     client = MlflowClient(params.tracking.uri)
     found = client.search_model_versions(f"name = '{params.registry.model_name}'")
     return {int(v.version): client.get_model_version(v.name, v.version) for v in found}
+
+
+def interval(gate: dict) -> str:
+    """The gate's one-line statement of a comparison, as the reason, the tag and the review quote it."""
+    return (f"{gate['metric']} on {gate['split']} {gate['difference']:+.4f} [{gate['low']:+.4f}, "
+            f"{gate['high']:+.4f}] (95% paired bootstrap, 1000 resamples, {gate['queries']} queries)")
 
 
 def alias(params, name: str) -> int | None:
@@ -47,44 +53,94 @@ def test_the_first_model_becomes_champion_and_registering_it_again_changes_nothi
     assert json.loads(Path(params.registry.report).read_text())["version"] == 1
 
 
-def test_the_gate_promotes_a_better_model_and_rejects_a_worse_one(params):
-    run_pipeline(params, seed=0)
-    better = run_pipeline(params, seed=1, **{"recall@1": 0.55})
+def test_the_gate_promotes_a_better_model_and_rejects_a_worse_one_on_val_not_on_test(params):
+    run_pipeline(params, seed=0, blind=True)  # R@1 about 0 on val (which query ties win is up to the search)
+    # The test metrics say worse; the val split, which decides, says every query improved.
+    better = run_pipeline(params, seed=1, **{"recall@1": 0.10})
     assert better["decision"] == "promoted" and better["alias"] == "champion"
     assert better["previous_champion"] == 1 and better["compared_with"]["version"] == 1
     assert alias(params, "champion") == 2 and alias(params, "challenger") is None
+    gate = better["gate"]
+    assert (gate["split"], gate["metric"], gate["queries"]) == ("val", "recall@1", VAL_QUERIES)
+    assert gate["champion_version"] == 1
+    assert gate["difference"] > 0.9 and 0.5 < gate["low"] <= gate["difference"] <= gate["high"] <= 1.0
+    assert gate["challenger_metrics"]["recall@1"] == 1.0 and gate["champion_metrics"]["recall@1"] < 0.1
+    assert better["reason"].startswith(f"{interval(gate)} over champion v1: the lower bound exceeds +0.0000")
 
-    worse = run_pipeline(params, seed=2, **{"recall@1": 0.53, "map@r": 0.25})
+    # Better on test, blind on val: rejected, the interval and the guarded metrics that fell named.
+    worse = run_pipeline(params, seed=2, blind=True, **{"recall@1": 0.90})
     assert (worse["decision"], worse["alias"], worse["champion_version"]) == ("rejected", "challenger", 2)
-    assert "recall@1 0.5300 vs champion v2 0.5500" in worse["reason"]
-    assert "map@r fell by 0.0500" in worse["reason"]
+    assert worse["gate"]["high"] < -0.5
+    assert worse["reason"].startswith(f"{interval(worse['gate'])} vs champion v2: the challenger is worse")
+    assert "map@r on val fell by" in worse["reason"]
     v3 = versions(params)[3]
     assert v3.tags["decision"] == "rejected" and v3.tags["reason"] == worse["reason"]
     assert v3.tags["decided_by"] == "gate" and v3.tags["decided_at"]
+    assert v3.tags["gate_interval"] == f"{interval(worse['gate'])} vs champion v2"
     report = json.loads(Path(params.registry.report).read_text())
     assert (report["decision"], report["champion_version"]) == ("rejected", 2)
-    assert report["metrics"]["map@r"] == 0.25
+    assert report["metrics"]["recall@1"] == 0.90  # the test split's, reported
+    assert report["gate"] == worse["gate"] and report["gate"]["resamples"] == 1000
 
     text = review(params)
     print(text)  # shown with `pytest -s`: the table the report quotes
     lines = {line.split("  ")[0]: line for line in text.splitlines()}
     assert "champion v2" in lines[""] and "challenger v3" in lines[""]
-    assert "0.5500" in lines["recall@1 *"] and "0.5300 (-0.0200)" in lines["recall@1 *"]
+    assert "0.1000" in lines["recall@1 *"] and "0.9000 (+0.8000)" in lines["recall@1 *"]
     assert "promoted" in lines["decision"] and "rejected" in lines["decision"]
-    assert "challenger v3 reason: recall@1" in text
+    assert f"challenger v3 gate: {v3.tags['gate_interval']}" in text
+    assert f"champion v2 gate: {interval(gate)} vs champion v1" in text
+    assert "challenger v3 reason: recall@1 on val" in text
 
 
-def test_a_model_evaluated_on_other_data_is_held_for_review(params):
+def test_register_twice_shows_the_interval_in_report_review_and_model_card(params):
     run_pipeline(params, seed=0)
+    second = run_pipeline(params, seed=1)  # another model.pt, as good on val: a tie, within noise
+    assert second["version"] == 2 and second["decision"] == "rejected" and alias(params, "champion") == 1
+    interval = (f"recall@1 on val +0.0000 [+0.0000, +0.0000] (95% paired bootstrap, 1000 resamples, "
+                f"{VAL_QUERIES} queries)")
+    assert second["reason"].startswith(f"{interval} vs champion v1: the interval contains 0")
+    report = json.loads(Path(params.registry.report).read_text())
+    assert report["gate"] == second["gate"]
+    assert {k: report["gate"][k] for k in ("split", "metric", "difference", "low", "high", "resamples",
+                                           "queries", "confidence", "seed")} == {
+        "split": "val", "metric": "recall@1", "difference": 0.0, "low": 0.0, "high": 0.0, "resamples": 1000,
+        "queries": VAL_QUERIES, "confidence": 0.95, "seed": 0}
+    v2 = versions(params)[2]
+    assert v2.tags["gate_interval"] == f"{interval} vs champion v1"
+    card = v2.description
+    assert "## Promotion gate" in card and f"{interval} vs champion v1" in card
+    assert "| recall@1 * | 1.0000 | 1.0000 | +0.0000 |" in card  # on val, both models
+    assert "## Test metrics (reporting only)" in card
+    text = review(params)
+    assert f"challenger v2 gate: {interval} vs champion v1" in text
+    assert "metrics above: split test, for reporting only. Promotion is decided on val" in text
+    # The first model was promoted without a comparison: no interval on it.
+    assert "gate_interval" not in versions(params)[1].tags and "champion v1 gate:" not in text
+
+
+def test_after_the_data_changed_both_models_are_compared_on_the_current_data(params):
+    first = run_pipeline(params, seed=0, blind=True)
     write_manifest(Path(params.data.manifest), "v2")
-    held = run_pipeline(params, seed=1, **{"recall@1": 0.9})
+    second = run_pipeline(params, seed=1)
+    assert second["decision"] == "promoted" and alias(params, "champion") == 2
+    assert second["data_hash"] != first["data_hash"]  # still recorded on every version
+    assert second["gate"]["queries"] == VAL_QUERIES and second["gate"]["champion_metrics"]["recall@1"] < 0.1
+
+
+def test_without_a_val_split_a_challenger_is_held_but_the_first_model_is_promoted(params):
+    write_manifest(Path(params.data.manifest), "v1", val=False)
+    first = run_pipeline(params, seed=0, blind=True)
+    assert first["decision"] == "promoted" and first["alias"] == "champion"
+    held = run_pipeline(params, seed=1)
     assert held["decision"] == "held" and held["alias"] == "challenger" and alias(params, "champion") == 1
-    assert "other data" in held["reason"] and "not promoted automatically" in held["reason"]
+    assert "has no 'val' rows" in held["reason"] and "data.val_classes > 0" in held["reason"]
+    assert "not promoted automatically" in held["reason"] and held["gate"] is None
 
 
 def test_promote_and_rollback_round_trip(params):
     run_pipeline(params, seed=0)
-    run_pipeline(params, seed=1, **{"recall@1": 0.40})  # rejected: v2 is the challenger
+    run_pipeline(params, seed=1)  # as good on val: rejected, v2 is the challenger
     promoted = promote(params, 2, "better on the hard classes", user="alice")
     assert promoted["decision"] == "promoted" and promoted["previous_champion"] == 1
     assert alias(params, "champion") == 2

@@ -1,16 +1,17 @@
 """Stage `register` and the registry jobs behind `xbn registry review|promote|rollback`.
 
 `register` adds the trained model (the run's pyfunc) as a new version of `registry.model_name` with alias
-`challenger`, and lets the promotion gate decide whether it becomes `champion`:
-- the first model becomes champion;
-- metrics are comparable only on the same evaluation data: when the data hash differs from the champion's the
-  version is `held` (never promoted automatically) and the reason says so;
-- otherwise it is `promoted` only if `registry.primary_metric` improves on the champion's by more than zero
-  and by at least `registry.min_improvement`, and no metric in `registry.guarded_metrics` falls by more
-  than `registry.tolerance`; else `rejected`, naming each failed condition.
+`challenger`, and lets the promotion gate (`xbn.stages.gate`) decide whether it becomes `champion`: the
+challenger and the champion are both embedded on the validation split (`registry.gate_split`) of the current
+data and compared query by query with a paired bootstrap; the first model is promoted, a challenger without a
+`val` split to compare on is `held`, and otherwise it is `promoted` only if the interval's lower bound clears
+`registry.min_improvement` and no guarded metric falls by more than `registry.tolerance`, else `rejected`.
+The test split's metrics (`eval.output`) are recorded on the version (`metric.*` tags, the review table, the
+model card) for reporting only: they never decide a promotion.
 A version that becomes champion loses the `challenger` alias and records the champion it replaced as tag
 `previous_champion`, which `rollback` restores. Every decision is written as version tags (`decision`,
-`reason`, `decided_by`, `decided_at`) and to `registry.report`. All MLflow access goes through `xbn.tracking`.
+`reason`, `decided_by`, `decided_at`, and the gate's `gate_interval` and `gate`) and to `registry.report`.
+All MLflow access goes through `xbn.tracking`.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ import getpass
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from xbn.config import Params, RegistryConfig, flatten
+from xbn.stages.gate import Comparison, Decision, Gate, report_metrics
 from xbn.tracking import (
     ModelVersionInfo,
     PipelineRun,
@@ -49,53 +50,12 @@ GATE = "gate"  # `decided_by` of the automatic decisions
 KEY_PARAMS = ("data.dataset", "data.image_size", "model.backbone", "model.pretrained", "model.embedding_dim",
               "memory.method", "memory.size", "loss.name", "loss.memvir.enabled", "train.epochs",
               "train.warmup_epochs", "train.lr", "train.batch_size", "train.samples_per_class", "train.seed")
-_EPS = 1e-12  # metrics are stored with full precision; this only absorbs float rounding in the differences
-
-
-@dataclass(frozen=True)
-class Decision:
-    promote: bool
-    decision: str  # promoted | rejected | held
-    reason: str
-
-
-def gate(challenger: Mapping[str, float], champion: ModelVersionInfo | None, challenger_data_hash: str | None,
-         cfg: RegistryConfig) -> Decision:
-    """The promotion gate (see the module docstring). Pure: reads the champion's tags, calls nothing."""
-    if champion is None:
-        return Decision(True, "promoted", "first registered model: there is no champion to compare with")
-    champ = champion.metrics
-    champion_hash = champion.tags.get("data_hash")
-    if not challenger_data_hash or champion_hash != challenger_data_hash:
-        return Decision(False, "held", (
-            f"evaluated on other data than champion v{champion.version} (data hash "
-            f"{_short(challenger_data_hash)} vs {_short(champion_hash)}): the metrics are not comparable, so "
-            f"it is not promoted automatically; review it and promote it by hand (`xbn registry promote`)"))
-    primary = cfg.primary_metric
-    if primary not in champ:
-        return Decision(False, "held", f"champion v{champion.version} has no '{primary}' tag to compare with")
-    failures = []
-    delta = challenger[primary] - champ[primary]
-    if not (delta > _EPS and delta >= cfg.min_improvement - _EPS):
-        failures.append(f"{primary} {challenger[primary]:.4f} vs champion v{champion.version} "
-                        f"{champ[primary]:.4f} ({delta:+.4f}): needs {_required(cfg)}")
-    for name in cfg.guarded_metrics:
-        if name not in champ:
-            continue  # nothing to guard against
-        if name not in challenger:
-            failures.append(f"{name} was not measured (champion has {champ[name]:.4f})")
-        elif champ[name] - challenger[name] > cfg.tolerance + _EPS:
-            failures.append(f"{name} fell by {champ[name] - challenger[name]:.4f} ({champ[name]:.4f} -> "
-                            f"{challenger[name]:.4f}), more than the tolerance {cfg.tolerance:g}")
-    if failures:
-        return Decision(False, "rejected", "; ".join(failures))
-    return Decision(True, "promoted", (
-        f"{primary} {champ[primary]:.4f} -> {challenger[primary]:.4f} ({delta:+.4f}) over champion "
-        f"v{champion.version}; no guarded metric fell by more than {cfg.tolerance:g}"))
+GATE_TAG, GATE_INTERVAL_TAG = "gate", "gate_interval"  # the comparison as JSON, and as one line
 
 
 def register(params: Params) -> dict:
-    """Register `models/model.pt` with the metrics of `eval.output`, apply the gate, write `registry.report`.
+    """Register `models/model.pt` (tagged with the test metrics of `eval.output`, for reporting), apply the
+    promotion gate on the validation split, write `registry.report`.
 
     Idempotent: a model whose sha256 is already registered is reported (with its recorded decision) and
     nothing is created or changed.
@@ -119,20 +79,24 @@ def register(params: Params) -> dict:
         return _write_report(params, registry, existing, compared=None, already_registered=True)
 
     data = data_hash(params)
+    gate = Gate(params, checkpoint)
     with pipeline_run(params, "register") as run:
-        model_uri = log_model(params, run, checkpoint)  # the slow part, outside the lock
+        # The slow parts outside the lock: logging the model, embedding the val split with both models.
+        model_uri = log_model(params, run, checkpoint)
         if served == "refined":
             log_refiner(run, params.refine.output)
+        gate.decide(registry.by_alias(CHAMPION), registry)
         # Read the champion, decide and move the aliases under the registry lock: a concurrent register or
-        # promote may have changed the champion (or registered this very file) since the check above.
+        # promote may have changed the champion (or registered this very file) since the check above; the
+        # gate then compares with the new champion (else its comparison above is reused).
         with registry.lock():
             if existing := registry.find_by_tag("model_sha256", sha):
                 return _write_report(params, registry, existing, compared=None, already_registered=True)
             champion = registry.by_alias(CHAMPION)
-            decision = gate(metrics, champion, data, cfg)
+            decision = gate.decide(champion, registry)
             # The decision goes in with the version, so no version is ever seen without one.
             tags = {"data_hash": data or "unknown", "params_hash": params_hash(params), "model_sha256": sha,
-                    SERVED_TAG: served, **metric_tags(metrics),
+                    SERVED_TAG: served, **metric_tags(metrics), **_gate_tags(decision.comparison),
                     **_stamp(decision.decision, decision.reason, GATE)}
             version = registry.create(model_uri, tags).version
             registry.set_alias(CHALLENGER, version)
@@ -143,7 +107,7 @@ def register(params: Params) -> dict:
 
 
 def promote(params: Params, version: int | str, reason: str, user: str | None = None) -> dict:
-    """Move `champion` to `version` by hand (the data-hash and metric gates do not apply); idempotent."""
+    """Move `champion` to `version` by hand (the promotion gate does not apply); idempotent."""
     _require_reason(reason)
     registry = Registry(params)
     with registry.lock():  # the champion read here is still the champion when the alias moves
@@ -214,8 +178,12 @@ def review(params: Params) -> str:
     cell_w = max(len(c) for _, cells in rows for c in cells) + 2
     lines = [f"{cfg.model_name}"]
     lines += [label.ljust(width) + "".join(c.ljust(cell_w) for c in cells).rstrip() for label, cells in rows]
-    lines.append(f"* primary metric, needs {_required(cfg)} over the champion; "
-                 f"+ guarded, may fall by at most {cfg.tolerance:g}")
+    lines.append(f"metrics above: split {params.eval.split}, for reporting only. Promotion is decided on "
+                 f"{cfg.gate_split}: * primary metric, {_required(cfg)}; + guarded, may fall by at most "
+                 f"{cfg.tolerance:g} on {cfg.gate_split}")
+    for title, info in columns:
+        if info is not None and info.tags.get(GATE_INTERVAL_TAG):
+            lines.append(f"{title} v{info.version} gate: {info.tags[GATE_INTERVAL_TAG]}")
     for title, info in columns:
         if info is not None and info.tags.get("reason"):
             lines.append(f"{title} v{info.version} reason: {info.tags['reason']}")
@@ -231,8 +199,12 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
     metrics, champ = version.metrics, champion.metrics if champion else {}
     vs = f"champion v{champion.version}" if champion else "champion (none)"
     lines = [f"# {version.name} v{version.version}", "",
-             f"**Decision:** {decision.decision} ({GATE}): {decision.reason}", "",
-             f"| metric | v{version.version} | {vs} | change |", "|---|---:|---:|---:|"]
+             f"**Decision:** {decision.decision} ({GATE}): {decision.reason}", ""]
+    lines += _gate_section(decision.comparison, version, cfg)
+    lines += ["## Test metrics (reporting only)",
+              f"Split `{params.eval.split}`, from `{params.eval.output}`; never used to promote. The "
+              f"champion's values are from its own registration, possibly on other data.", "",
+              f"| metric | v{version.version} | {vs} | change |", "|---|---:|---:|---:|"]
     for name in _ordered(metrics.keys() | champ.keys(), cfg):
         mine, theirs = metrics.get(name), champ.get(name)
         change = f"{mine - theirs:+.4f}" if mine is not None and theirs is not None else ""
@@ -246,8 +218,10 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
         same = f" (champion: `{champion_hash}`)"
     flat = flatten(params)
     lines += ["", "## Data",
-              f"{params.data.dataset} at `{params.data.root}`, evaluated on split `{params.eval.split}`; "
-              f"manifest `{params.data.manifest}` md5 `{version.tags.get('data_hash')}`{same}.",
+              f"{params.data.dataset} at `{params.data.root}`: promotion decided on split "
+              f"`{cfg.gate_split}`, reported on split `{params.eval.split}`; manifest "
+              f"`{params.data.manifest}` md5 "
+              f"`{version.tags.get('data_hash')}`{same}.",
               "", "## Key params", *(f"- `{k}`: {flat[k]}" for k in KEY_PARAMS if k in flat),
               f"- params hash: `{version.tags.get('params_hash')}`",
               f"- git commit: `{summary['tags'].get('git_commit', 'unknown')}`",
@@ -264,6 +238,36 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
 
 
 # -- helpers -----------------------------------------------------------------------------------------------
+def _gate_tags(comparison: Comparison | None) -> dict[str, str]:
+    if comparison is None:
+        return {}
+    return {GATE_INTERVAL_TAG: f"{comparison.interval()} vs champion v{comparison.champion_version}",
+            GATE_TAG: json.dumps(comparison.as_dict(), sort_keys=True)}
+
+
+def _gate_of(info: ModelVersionInfo) -> dict[str, Any] | None:
+    text = info.tags.get(GATE_TAG)
+    return json.loads(text) if text else None
+
+
+def _gate_section(comparison: Comparison | None, version: ModelVersionInfo, cfg: RegistryConfig) -> list[str]:
+    """The model card's account of the gate: the interval and both models' metrics on the gate split."""
+    if comparison is None:
+        return []
+    c = comparison
+    lines = ["## Promotion gate", f"{c.interval()} vs champion v{c.champion_version}, seed {c.seed}: "
+             f"mean(challenger - champion) of the per-query {c.metric} and its percentile interval; both "
+             f"models embedded on the current `{c.split}` rows.", "",
+             f"| metric on {c.split} | v{version.version} | champion v{c.champion_version} | change |",
+             "|---|---:|---:|---:|"]
+    mine, theirs = report_metrics(c.challenger, cfg), c.champion
+    for name in _ordered(mine.keys(), cfg):
+        other = theirs.get(name)
+        change = f"{mine[name] - other:+.4f}" if other is not None else ""
+        lines.append(f"| {_mark(name, cfg)} | {_num(mine[name])} | {_num(other)} | {change} |")
+    return [*lines, ""]
+
+
 def _make_champion(registry: Registry, version: int, champion: ModelVersionInfo | None) -> None:
     if champion is not None and champion.version != version:
         registry.set_tags(version, {"previous_champion": champion.version})
@@ -286,7 +290,8 @@ def _write_report(params: Params, registry: Registry, info: ModelVersionInfo,
         "reason": reason or info.tags.get("reason"),
         "decided_by": info.tags.get("decided_by"),
         "decided_at": info.tags.get("decided_at"),
-        "metrics": info.metrics,
+        "metrics": info.metrics,  # the test split's, for reporting
+        "gate": _gate_of(info),
         "champion_version": champion.version if champion else None,
         "compared_with": {"version": compared.version, "metrics": compared.metrics} if compared else None,
         "previous_champion": int(previous) if previous else None,
@@ -301,7 +306,8 @@ def _write_report(params: Params, registry: Registry, info: ModelVersionInfo,
 
 
 def _required(cfg: RegistryConfig) -> str:
-    return f"an improvement of at least +{cfg.min_improvement:g}" if cfg.min_improvement else "an improvement"
+    return (f"the lower bound of its {cfg.confidence * 100:g}% paired-bootstrap interval (challenger - "
+            f"champion) must exceed {cfg.min_improvement:+g}")
 
 
 def _stamp(decision: str, reason: str, who: str) -> dict[str, str]:

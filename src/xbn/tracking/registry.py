@@ -9,15 +9,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import mlflow
+import mlflow.artifacts
+import mlflow.models
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.tracking import MlflowClient
 
 from xbn.config import Params
+from xbn.tracking.integrity import IntegrityError, verify_file
 from xbn.tracking.locks import DEFAULT_TIMEOUT_S, registry_lock
+from xbn.tracking.pyfunc import CHECKPOINT_ARTIFACT
 from xbn.tracking.runs import PipelineRun, configure, metric_key, metric_name
 
 METRIC_TAG_PREFIX = "metric."
@@ -45,6 +50,16 @@ class ModelVersionInfo:
 
 
 SERVED_TAG = "served_embedding"  # plain | refined (seed 001's context refiner on top of the embedder)
+SHA_TAG = "model_sha256"  # the checkpoint's sha256, recorded in the tracking store with the version
+
+
+@dataclass(frozen=True)
+class RegisteredCheckpoint:
+    """A registered version's embedder checkpoint on local disk (sha256 verified) and the image size the
+    version serves at (its pyfunc's metadata; None if it records none)."""
+
+    path: Path
+    image_size: int | None
 
 
 def log_refiner(run: PipelineRun, path: str) -> None:
@@ -114,6 +129,28 @@ class Registry:
     def remove_alias(self, alias: str) -> None:
         if self.by_alias(alias) is not None:
             self.client.delete_registered_model_alias(self.name, alias)
+
+    def checkpoint(self, version: ModelVersionInfo, dst_dir: str | Path) -> RegisteredCheckpoint:
+        """Download `version`'s embedder checkpoint (its pyfunc's `checkpoint` artifact) into `dst_dir` and
+        verify it against the sha256 the version recorded in the tracking store (tag `model_sha256`) before
+        anything loads it: the artifact store is what could have been altered, so its own copy of the hash
+        (the pyfunc's config) is not trusted. Raises `IntegrityError` on a mismatch or a missing hash."""
+        uri = f"models:/{self.name}/{version.version}"
+        expected = version.tags.get(SHA_TAG)
+        if not expected:
+            raise IntegrityError(f"{self.name} v{version.version} records no {SHA_TAG}: its checkpoint "
+                                 f"cannot be verified, so it is not loaded")
+        info = mlflow.models.get_model_info(uri)
+        flavor = info.flavors.get("python_function", {})
+        relative = (flavor.get("artifacts") or {}).get(CHECKPOINT_ARTIFACT, {}).get("path")
+        if not relative:
+            raise ValueError(f"{self.name} v{version.version} is not an xbn embedder (no "
+                             f"'{CHECKPOINT_ARTIFACT}' artifact in its MLmodel)")
+        path = Path(mlflow.artifacts.download_artifacts(
+            artifact_uri=f"{uri}/{relative}", dst_path=str(dst_dir), tracking_uri=self.uri))
+        verify_file(path, expected, what=f"the checkpoint of {self.name} v{version.version}")
+        size = (info.metadata or {}).get("image_size")
+        return RegisteredCheckpoint(path, int(size) if size else None)
 
     def set_tags(self, version: int, tags: Mapping[str, Any]) -> None:
         for key, value in tags.items():
