@@ -20,9 +20,12 @@ $(STAMP): requirements/lock.txt pyproject.toml
 	$(BIN)/python -m pip install --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*; touch $@
 
-# dvc runs each stage's `xbn` command, so the venv's bin goes first on PATH.
+# dvc runs each stage's `xbn` command, so the venv's bin goes first on PATH. Each stage prints a line or two;
+# `dvc repro -q` keeps DVC's own chatter (git hints) out, so on a failure of DVC itself, rerun without -q.
 run: install
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
+	@PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro -q || { echo "make run: dvc repro failed (run \
+	'$(BIN)/dvc repro' to see DVC's own message)" >&2; exit 1; }
+	@$(BIN)/xbn summary
 
 test: install
 	$(BIN)/python -m pytest -n 2 --dist loadgroup tests

@@ -9,8 +9,10 @@ import sys
 
 from xbn.config import ConfigError, Params, load_params
 from xbn.utils.errors import ServiceUnavailableError
+from xbn.utils.logs import configure_logging
 
 EXIT_CONFIG, EXIT_DATA, EXIT_SERVICE = 2, 3, 4
+log = logging.getLogger("xbn.cli")
 
 
 def _stage_generate(params: Params, args) -> dict:
@@ -19,6 +21,7 @@ def _stage_generate(params: Params, args) -> dict:
     g = params.data.glyphs
     root = generate_glyphs(params.data.root, classes=g.classes, images_per_class=g.images_per_class,
                            image_size=g.image_size, seed=g.seed)
+    log.info("%d glyph classes x %d images, %d px -> %s", g.classes, g.images_per_class, g.image_size, root)
     return {"root": str(root), **g.model_dump()}
 
 
@@ -31,7 +34,9 @@ def _stage_validate(params: Params, args) -> dict:
 def _stage_register(params: Params, args) -> dict:
     from xbn.stages.register import register
 
-    return register(params)
+    report = register(params)
+    log.info("%s v%s %s: %s", report["model_name"], report["version"], report["decision"], report["reason"])
+    return report
 
 
 def _registry(params: Params, args):
@@ -58,7 +63,8 @@ def _stage_train(params: Params, args) -> dict:
         # torchrun (torch.distributed.run) starts `python -m xbn.train` N times on this machine; rank 0 prints
         # the summary, so this process only passes on the exit status.
         forwarded = ["--params", args.params, *(f"--set={o}" for o in args.overrides),
-                     *(["--resume"] if args.resume else []), *(["--quiet"] if args.quiet else [])]
+                     *(["--resume"] if args.resume else []), *(["--quiet"] if args.quiet else []),
+                     *(["--verbose"] if args.verbose else [])]
         raise SystemExit(launch(nproc, "xbn.train", forwarded))
     from xbn.stages.train import train
 
@@ -93,6 +99,12 @@ def _stage_run(params: Params, args) -> dict:
              ("evaluate", _stage_evaluate))}
 
 
+def _summary(params: Params, args) -> str:
+    from xbn.stages.summary import summary_text
+
+    return summary_text(params)
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -105,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     common.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a param, e.g. --set memory.method=xbn (repeatable)")
-    common.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    common.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress bars, and the result goes only to its file, not to the console")
+    common.add_argument("-v", "--verbose", action="store_true", help="every library's log lines too")
     parser = argparse.ArgumentParser(prog="xbn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("generate", parents=[common],
@@ -141,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     registry.set_defaults(fn=_registry)
     sub.add_parser("run", parents=[common], help="prepare, train, refine and evaluate in order").set_defaults(
         fn=_stage_run)
+    sub.add_parser("summary", parents=[common],
+                   help="what the last pipeline run did, from the files its stages wrote").set_defaults(fn=_summary)
     tune = sub.add_parser("tune", parents=[common],
                           help="Optuna study over tune.space, scored by validation R@1 -> params.tuned.yaml")
     mode = tune.add_mutually_exclusive_group()
@@ -155,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(verbose=args.verbose, prefix=f"xbn {args.command}: ")
     try:
         params = load_params(args.params, args.overrides)
     except ConfigError as exc:
@@ -174,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     except ServiceUnavailableError as exc:  # the tracking store is down: nothing was started
         print(f"xbn {args.command}: {exc}", file=sys.stderr)
         return EXIT_SERVICE
-    print(result if isinstance(result, str) else json.dumps(result, indent=2, default=str))
+    if isinstance(result, str):
+        print(result)
+    elif not args.quiet:  # -q: the result is in the file the stage wrote
+        print(json.dumps(result, indent=2, default=str))
     return 0
 
 

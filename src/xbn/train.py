@@ -19,6 +19,7 @@ import sys
 from xbn import distributed
 from xbn.config import ConfigError, Params, load_params
 from xbn.utils.errors import ServiceUnavailableError
+from xbn.utils.logs import configure_logging
 
 EXIT_CONFIG, EXIT_DATA = 2, 3
 
@@ -30,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a param, e.g. --set memory.method=xbn (repeatable)")
     parser.add_argument("--resume", action="store_true", help="continue from models/last.pt")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary on the console")
+    parser.add_argument("-v", "--verbose", action="store_true", help="every library's log lines too")
     return parser
 
 
@@ -51,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rank = os.environ.get("RANK", "0")  # torchrun's; the group does not exist yet
     main_rank = rank == "0"
-    logging.basicConfig(level=logging.INFO if main_rank else logging.WARNING,
-                        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
+    configure_logging(verbose=args.verbose, prefix=f"xbn train [rank {rank}]: ",
+                      level=logging.INFO if main_rank else logging.WARNING)
     try:
         params = load_params(args.params, args.overrides)
     except ConfigError as exc:
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     except ServiceUnavailableError as exc:
         print(f"xbn.train: {exc}", file=sys.stderr)
         return 4
-    if main_rank:
+    if main_rank and not args.quiet:
         print(json.dumps(summary, indent=2, default=str))
     return 0
 

@@ -99,7 +99,7 @@ def test_cli_nproc_launches_torchrun(tiny_params, glyph_root, tmp_path):
     prepare(tiny_params())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     sets = [f"--set={o}" for o in [*TINY, f"data.root={glyph_root}", "train.epochs=1"]]
-    done = subprocess.run([sys.executable, "-m", "xbn.cli", "train", "--nproc", "2", "-q",
+    done = subprocess.run([sys.executable, "-m", "xbn.cli", "train", "--nproc", "2",
                            "--params", str(ROOT / "params.yaml"), *sets],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

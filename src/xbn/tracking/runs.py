@@ -118,8 +118,9 @@ def pipeline_run(
         base = {"git_commit": git_commit(), "data_hash": data_hash(params),
                 "params_hash": params_hash(params)}
         client.log_batch(run.run_id, tags=_tags({**base, **(tags or {})}))
-        log.info("MLflow run %s (%s) in %s", run.run_id, "resumed" if run.resumed else "new",
-                 mask_secrets(uri))
+        # Once per pipeline execution on the console: the later stages join the same run.
+        log.log(logging.DEBUG if run.resumed else logging.INFO, "MLflow run %s (%s) in %s", run.run_id,
+                "resumed" if run.resumed else "new", mask_secrets(uri))
         yield run
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,6 +156,7 @@ class Trainer:
         self.history = History()
         self.epoch = 0  # epochs completed
         self.iteration = 0
+        self.throughput = 0.0  # training images per second of the last epoch
         self.net: nn.Module = self.model  # what the training step calls: the model or its DDP wrapper
         self.optimizer, self.scheduler = self._optimizer_for(0)
 
@@ -270,11 +272,16 @@ class Trainer:
             if self._in_warmup(self.epoch) != self._in_warmup(self.epoch - 1) and self.epoch > 0:
                 self.optimizer, self.scheduler = self._optimizer_for(self.epoch)
             loss = self._train_epoch()
+            lr = self.optimizer.param_groups[0]["lr"]  # the epoch's, before the schedule steps
             self.epoch += 1
             if self.scheduler:
                 self.scheduler.step()
             row = {"epoch": self.epoch, "loss": loss, **self._validate_on_main()}
             self.history.epochs.append(row)
+            if self.is_main:
+                val = f", val R@1 {row['val_recall@1']:.4f}" if "val_recall@1" in row else ""
+                log.info("epoch %d/%d: loss %.4f, lr %.2g, %.0f images/s%s", self.epoch, self.total_epochs, loss, lr,
+                         self.throughput, val)
             score = row.get("val_recall@1", self.epoch)  # no val split: the last epoch is kept
             best = score > self.history.best_score
             if best:
@@ -314,9 +321,10 @@ class Trainer:
         self.loader_generator.manual_seed(epoch_seed)
         self.sampler.set_epoch(self.epoch)
         self.net.train()
-        losses = []
+        losses, seen, started = [], 0, time.perf_counter()
+        # A bar on a terminal; under dvc repro or a scheduler (no terminal) the epoch's log line says it all.
         bar = tqdm(self.loader, desc=f"epoch {self.epoch + 1}/{self.total_epochs}", leave=False,
-                   disable=not (self.progress and self.is_main), mininterval=2)
+                   disable=not (self.progress and self.is_main and sys.stderr.isatty()), mininterval=1)
         for images, labels, indices in bar:
             if missing := self.requested.missing(indices):
                 self._record_skipped(missing)
@@ -326,10 +334,13 @@ class Trainer:
             if hasattr(self.batches, "observe"):  # embedded samplers: refresh the bank with this batch
                 self.batches.observe(indices, embeddings.detach())
             self.iteration += 1
+            seen += len(labels)
             losses.append(loss.item())
             if self.is_main and self.iteration % p.log_every == 0:
                 self._log_step(losses[-1])
-            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{self.optimizer.param_groups[0]['lr']:.2g}",
+                            img_s=f"{seen / (time.perf_counter() - started):.0f}")
+        self.throughput = seen / max(time.perf_counter() - started, 1e-9)
         return float(np.mean(losses)) if losses else float("nan")
 
     def step(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -409,4 +420,9 @@ def train(params: Params, resume: bool = False, progress: bool = True,
     trainer = Trainer(params, progress=progress, on_epoch=on_epoch)
     if resume:
         trainer.resume()
-    return trainer.fit()
+    summary = trainer.fit()
+    if trainer.is_main:
+        log.info("%s: best epoch %s of %s, val R@1 %s -> %s", summary["method"], summary["best_epoch"],
+                 summary["epochs"], "-" if summary["best_val_recall@1"] is None else
+                 f"{summary['best_val_recall@1']:.4f}", trainer.checkpoint_dir / "model.pt")
+    return summary

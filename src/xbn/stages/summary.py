@@ -1,0 +1,93 @@
+"""What a pipeline run did, on one screen: `xbn summary` (the end of `make run`) and the retrain flow's
+Prefect artifact. Generated from the files the stages wrote, so it says what is on disk, not what a process
+remembers: the dataset and its size, the memory method, test R@1 and MAP@R (trained against untrained), the
+registry's decision with its reason and version, the files to open and how to browse the runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from xbn.config import Params
+
+
+def _read(path: str | Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def summary_rows(params: Params) -> list[tuple[str, str]]:
+    """(label, text) pairs, in reading order; a stage that has not run says so."""
+    validation = _read(params.validate.report)
+    train = _read(Path(params.train.metrics_dir) / "train.json")
+    evaluation = _read(params.eval.output)
+    registry = _read(params.registry.report) if params.tracking.enabled else None
+    rows: list[tuple[str, str]] = []
+
+    data = f"{params.data.dataset} at {params.data.root}"
+    if validation and (validation.get("summary") or {}).get("splits"):
+        splits = validation["summary"]["splits"]
+        sizes = ", ".join(f"{s} {v['classes']} classes / {v['images']} images" for s, v in splits.items())
+        status = "passed" if validation.get("success") else "FAILED"
+        data += f" ({sizes}); validation {status}"
+    rows.append(("data", data))
+
+    memory = params.memory.method
+    if train:
+        memory += f", {train.get('memory_rows', 0)} rows" if memory != "none" else ""
+        best = train.get("best_val_recall@1")
+        rows.append(("training", f"{train.get('epochs')} epochs, {train.get('iterations')} iterations, best epoch "
+                                 f"{train.get('best_epoch')} (val R@1 {_num(best)})"
+                                 + (f", {train['train_seconds']:.0f} s" if "train_seconds" in train else "")))
+    rows.insert(1, ("memory", memory))
+
+    if evaluation:
+        untrained = evaluation.get("untrained") or {}
+        line = f"R@1 {_num(evaluation.get('recall@1'))}  MAP@R {_num(evaluation.get('map@r'))}"
+        if untrained:
+            line += (f"  (untrained: R@1 {_num(untrained.get('recall@1'))}  MAP@R "
+                     f"{_num(untrained.get('map@r'))})")
+        rows.append((f"{params.eval.split} split", line))
+    else:
+        rows.append((f"{params.eval.split} split", f"not evaluated ({params.eval.output} missing)"))
+
+    if registry:
+        decision = f"v{registry.get('version')} {registry.get('decision')}: {registry.get('reason')}"
+        if registry.get("champion_version") is not None:
+            decision += f" (champion: v{registry['champion_version']})"
+        rows.append(("registry", decision))
+    elif params.tracking.enabled:
+        rows.append(("registry", f"not registered ({params.registry.report} missing)"))
+
+    files = [params.validate.report_text, str(Path(params.train.metrics_dir) / "train_epochs.csv"),
+             params.eval.output]
+    rows.append(("files", ", ".join(f for f in files if Path(f).exists()) or "none yet"))
+    if params.tracking.enabled:
+        # xbn.tracking.tracking_uri's rule, without importing MLflow (seconds) for one line.
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or params.tracking.uri
+        browse = (f"mlflow ui --backend-store-uri {uri}" if not uri.startswith(("http://", "https://"))
+                  else uri)
+        rows.append(("runs", f"{browse}  (the retrieval grid is in the evaluate run's artifacts, "
+                             "plots/retrieval_grid.png)"))
+    return rows
+
+
+def summary_text(params: Params) -> str:
+    rows = summary_rows(params)
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(["xbn: summary", *(f"  {label.ljust(width)}  {text}" for label, text in rows)])
+
+
+def summary_markdown(params: Params) -> str:
+    rows = summary_rows(params)
+    return "\n".join([f"# xbn retrain: `{params.registry.model_name}`", "", "| | |", "|---|---|",
+                      *(f"| {label} | {text.replace('|', '/')} |" for label, text in rows)])
+
+
+def _num(value: Any) -> str:
+    return "-" if value is None else f"{value:.4f}"

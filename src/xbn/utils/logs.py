@@ -1,0 +1,42 @@
+"""The console a person reads: xbn's own lines at INFO, other libraries' only from WARNING; `-v` brings
+everything back, with the logger's name and level on every line."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+class _ConsoleFormatter(logging.Formatter):
+    """xbn's INFO lines as plain sentences; warnings and errors (and everything under -v) with their source."""
+
+    def __init__(self, verbose: bool, prefix: str = ""):
+        super().__init__()
+        self.verbose, self.prefix = verbose, prefix
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if record.exc_info:
+            message += "\n" + self.formatException(record.exc_info)
+        if not self.verbose and record.levelno < logging.WARNING and record.name.startswith("xbn"):
+            return f"{self.prefix}{message}"
+        return f"{self.prefix}{record.levelname} {record.name}: {message}"
+
+
+def configure_logging(verbose: bool = False, prefix: str = "", level: int = logging.INFO) -> None:
+    """Route every logger to stderr through one handler: `level` for xbn, WARNING for the libraries (INFO for
+    everyone with `verbose`). Call it before MLflow is imported: MLflow reads its level from the environment."""
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "true" if verbose else "false")
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    handler = logging.StreamHandler()
+    handler.setFormatter(_ConsoleFormatter(verbose, prefix))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger("xbn").setLevel(logging.DEBUG if verbose else level)
+    if not verbose:
+        # Libraries that set their own loggers' levels on import (great-expectations, faiss's loader) still
+        # get no INFO line through: the handler itself passes only xbn's INFO.
+        handler.addFilter(lambda record: record.levelno >= logging.WARNING or record.name.startswith("xbn"))
+    logging.captureWarnings(True)  # warnings go through the same handler, with their source

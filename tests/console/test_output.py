@@ -1,0 +1,92 @@
+"""What a person sees on the console: xbn's own lines, no library INFO noise unless -v, no JSON under -q, and a
+summary generated from the files the stages wrote."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from xbn.config import load_params
+from xbn.stages.summary import summary_markdown, summary_text
+from xbn.utils.logs import configure_logging
+
+
+@pytest.fixture(autouse=True)
+def restore_logging():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    logging.getLogger("xbn").setLevel(logging.NOTSET)
+
+
+def emit_all():
+    library = logging.getLogger("great_expectations.data_context.types.base")
+    library.setLevel(logging.INFO)  # as great-expectations does on import
+    library.info("Created temporary directory for ephemeral docs site")
+    logging.getLogger("faiss.loader").info("Loading faiss with AVX512 support.")
+    logging.getLogger("xbn.stages.evaluate").info("R@1 0.5000 -> metrics/eval.json")
+    logging.getLogger("faiss.loader").warning("a library warning")
+
+
+def test_library_info_stays_out_and_xbn_lines_read_as_sentences(capsys):
+    configure_logging(prefix="xbn evaluate: ")
+    emit_all()
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["xbn evaluate: R@1 0.5000 -> metrics/eval.json",
+                   "xbn evaluate: WARNING faiss.loader: a library warning"]
+
+
+def test_verbose_brings_every_library_line_back(capsys):
+    configure_logging(verbose=True)
+    emit_all()
+    err = capsys.readouterr().err
+    assert "INFO great_expectations.data_context.types.base: Created temporary" in err
+    assert "INFO faiss.loader: Loading faiss" in err and "INFO xbn.stages.evaluate: R@1" in err
+
+
+def test_quiet_keeps_the_result_in_its_file_not_on_the_console(tmp_path, monkeypatch, capsys):
+    from xbn.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    tiny = ["--params", "none", "--set", "data.glyphs.classes=4", "--set", "data.glyphs.images_per_class=2",
+            "--set", "data.glyphs.image_size=16"]
+    (tmp_path / "none").write_text("{}\n")
+    assert main(["generate", "-q", *tiny]) == 0
+    out = capsys.readouterr()
+    assert out.out == "" and "4 glyph classes x 2 images, 16 px -> data/glyphs" in out.err
+    assert main(["generate", *tiny]) == 0
+    assert json.loads(capsys.readouterr().out)["classes"] == 4
+
+
+def write(path: str, data: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data))
+
+
+def test_summary_says_what_the_stage_files_hold(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    params = load_params(None, ["memory.method=xbn"])
+    text = summary_text(params)
+    assert "not evaluated (metrics/eval.json missing)" in text and "not registered" in text
+
+    write("reports/validation.json", {"success": True, "summary": {"splits": {
+        "train": {"classes": 255, "images": 1530}, "test": {"classes": 300, "images": 1800}}}})
+    write("metrics/train.json", {"epochs": 14, "iterations": 336, "best_epoch": 12, "best_val_recall@1": 0.91,
+                                 "memory_rows": 1530, "train_seconds": 240.0})
+    write("metrics/eval.json", {"recall@1": 0.6761, "map@r": 0.4104,
+                                "untrained": {"recall@1": 0.3031, "map@r": 0.1433}})
+    write("reports/registry.json", {"version": 3, "decision": "rejected", "reason": "within noise",
+                                    "champion_version": 2})
+    lines = summary_text(params).splitlines()
+    assert len(lines) <= 12
+    text = "\n".join(lines)
+    assert "train 255 classes / 1530 images, test 300 classes / 1800 images); validation passed" in text
+    assert "xbn, 1530 rows" in text and "best epoch 12 (val R@1 0.9100), 240 s" in text
+    assert "R@1 0.6761  MAP@R 0.4104  (untrained: R@1 0.3031  MAP@R 0.1433)" in text
+    assert "v3 rejected: within noise (champion: v2)" in text
+    assert "mlflow ui --backend-store-uri sqlite:///mlflow.db" in text
+    assert "| registry | v3 rejected: within noise (champion: v2) |" in summary_markdown(params)
