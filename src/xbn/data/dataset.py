@@ -15,6 +15,7 @@ from torch.utils.data import Dataset, default_collate
 from torchvision.transforms.functional import to_tensor
 
 from xbn.data.errors import DatasetError
+from xbn.data.images import open_rgb
 from xbn.data.manifest import BOX_COLUMNS, encode_labels
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,8 @@ class ImageDataset(Dataset):
 
     `labels` are the integer labels of the rows (default: `encode_labels` of the manifest's labels); the
     index is returned too so the memory bank and the evaluation can map outputs back to rows.
-    `transform` maps an RGB PIL image to a tensor (default: `to_tensor`).
+    `transform` maps an RGB PIL image to a tensor (default: `to_tensor`); transparent pixels arrive composited
+    on white (`xbn.data.images.open_rgb`).
 
     `skip_unreadable`: an image that cannot be read (truncated or deleted after `validate` passed) is logged
     with its path and returned as None instead of raising; `collate_skipping` drops it from its batch.
@@ -59,11 +61,10 @@ class ImageDataset(Dataset):
         return len(self.paths)
 
     def load(self, index: int) -> Image.Image:
-        """The RGB image of row `index` (grayscale and palette images converted), cropped to its box."""
+        """The RGB image of row `index` (grey, palette and transparent images converted), cropped to its box."""
         path = self.root / self.paths[index]
         try:
-            with Image.open(path) as img:
-                image = img.convert("RGB")
+            image = open_rgb(path)
         except (OSError, UnidentifiedImageError) as exc:
             raise DatasetError(f"cannot read image {path.resolve()}: {exc}") from exc
         box = self.boxes[index]

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
+from xbn.data.images import open_rgb
 from xbn.utils.io import atomic_path
 
 QUERY_COLOUR = (40, 90, 200)
@@ -107,8 +108,7 @@ def retrieval_grid(
 
     def cell(path, label, colour, x, y):
         draw.rectangle((x, y, x + cell_w - 1, y + thumb + 2 * frame - 1), fill=colour)
-        with Image.open(path) as img:
-            tile = ImageOps.pad(img.convert("RGB"), (thumb, thumb), color="white")
+        tile = ImageOps.pad(open_rgb(path), (thumb, thumb), color="white")  # as the model saw it
         canvas.paste(tile, (x + frame, y + frame))
         draw.text((x + frame, y + thumb + 2 * frame + 1), str(label)[:18], fill=(60, 60, 60), font=font)
 
