@@ -220,7 +220,8 @@ def score(params: Params, checkpoint: str | Path, image_size: int | None = None)
         ks=_ks(params), chunk_size=params.eval.query_chunk, device=str(device),
         nmi="nmi" in cfg.guarded_metrics, seed=params.train.seed, per_query=True)
     queries = [q for q, kept in zip(embedded.query_paths, per_query.evaluated) if kept]
-    return SplitScores({k: float(v) for k, v in metrics.items()}, queries, per_query.scores)
+    values = {k: int(v) if isinstance(v, (int, np.integer)) else float(v) for k, v in metrics.items()}
+    return SplitScores(values, queries, per_query.scores)
 
 
 def report_metrics(metrics: Mapping[str, float], cfg: RegistryConfig) -> dict[str, float]:
