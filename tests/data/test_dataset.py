@@ -77,3 +77,55 @@ def test_dataloader_with_the_batch_sampler(tmp_path):
         assert images.shape == (4, 3, 16, 16)
         assert torch.equal(labels, torch.as_tensor(ds.labels)[index])
         assert sorted(torch.bincount(labels).tolist(), reverse=True)[:2] == [2, 2]
+
+
+@pytest.fixture
+def exit_hook_that_fails_in_a_fork():
+    """What a Prefect flow run leaves in its process: a thread-exit hook (`threading._register_atexit`; Prefect's
+    log and event services drain their queue in one) that fails when a forked child runs it at exit."""
+    import os
+    import threading
+
+    parent = os.getpid()
+
+    def drain():
+        assert os.getpid() == parent, "the parent's hook ran in a forked child"
+
+    threading._register_atexit(drain)  # stored as a functools.partial
+    yield
+    threading._threading_atexits[:] = [h for h in threading._threading_atexits if getattr(h, "func", h) is not drain]
+
+
+def worker_exit_codes(loader) -> tuple[list[int], list[int]]:
+    """The dataset indices a pass over `loader` yielded and its workers' exit codes. A dead worker is reported by
+    the DataLoader only if its SIGCHLD lands while the main process waits, so the codes are read directly."""
+    batches = iter(loader)
+    seen: list[int] = []
+    try:
+        for *_, index in batches:
+            seen.extend(index.tolist())
+    except RuntimeError as exc:
+        assert "exited unexpectedly with exit code 1" in str(exc)
+    return sorted(seen), [w.exitcode for w in batches._workers]
+
+
+def test_a_failing_inherited_exit_hook_kills_plain_dataloader_workers(tmp_path, exit_hook_that_fails_in_a_fork):
+    from torch.utils.data import DataLoader
+
+    write_csv(tmp_path)
+    ds = ImageDataset(read_dataset("csv", tmp_path), tmp_path)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="fork")
+    assert worker_exit_codes(loader)[1] == [1, 1]  # silently: the hook fails past the traceback printer
+
+
+def test_xbn_loader_workers_forget_the_parents_exit_hooks(tmp_path, exit_hook_that_fails_in_a_fork):
+    import multiprocessing
+
+    from xbn.evaluation.embed import image_loader
+
+    write_csv(tmp_path)
+    df = read_dataset("csv", tmp_path)
+    loader = image_loader(df, tmp_path, np.arange(len(df)), None, batch_size=4, num_workers=2,
+                          device=torch.device("cpu"))
+    loader.multiprocessing_context = multiprocessing.get_context("fork")  # the Linux default, made explicit
+    assert worker_exit_codes(loader) == (list(range(len(df))), [0, 0])

@@ -91,3 +91,30 @@ def test_a_retried_train_task_resumes_from_the_last_checkpoint(prefect_harness, 
     assert started == [0, 1, 1, 2]  # the retry resumed at the failed epoch instead of starting over at 0
     assert summary["epochs"] == uninterrupted["epochs"] == 3
     assert summary["best_val_recall@1"] == uninterrupted["best_val_recall@1"]
+
+
+def test_dataloader_workers_survive_inside_a_flow_run(prefect_harness, glyph_root):
+    """Issue 14: inside a flow run the process holds Prefect's log and event services, whose thread-exit hooks a
+    forked DataLoader worker inherited and failed on at exit (exit code 1, every pass, under the worker too)."""
+    import numpy as np
+    import torch
+    from prefect import flow, task
+
+    from xbn.data import read_dataset
+    from xbn.evaluation.embed import image_loader
+
+    @task
+    def load_all() -> tuple[int, list]:
+        frame = read_dataset("glyphs", glyph_root)
+        loader = image_loader(frame, glyph_root, np.arange(len(frame)), None, batch_size=32, num_workers=2,
+                              device=torch.device("cpu"))
+        batches = iter(loader)
+        loaded = sum(len(labels) for _, labels, _ in batches)
+        # Read the exit codes directly: the DataLoader reports a dead worker only if its SIGCHLD lands in a wait.
+        return loaded, [w.exitcode for w in batches._workers]
+
+    @flow
+    def embed_with_workers():
+        return load_all()
+
+    assert embed_with_workers() == (24 * 4, [0, 0])

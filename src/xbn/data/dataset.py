@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,26 @@ class ImageDataset(Dataset):
             log.warning("skipping row %d: %s", index, exc)
             return None
         return self.transform(image), int(self.labels[index]), index
+
+
+def loader_worker_init(worker_id: int) -> None:
+    """`worker_init_fn` of xbn's DataLoaders: a forked worker forgets the thread-exit hooks of its parent.
+
+    A worker started by fork inherits the hooks the parent registered with `threading._register_atexit`, which
+    Python runs when the worker exits (`threading._shutdown` in `Process._bootstrap`). Inside a Prefect flow run
+    the parent holds two: Prefect's APILogWorker (which ships log lines to the API) and EventsWorker each drain
+    their queue at exit. Prefect's own at-fork handler resets those services in the child (no event loop, no
+    done event), so the inherited drain fails `assert self._done_event is not None` as the worker exits. That
+    happens in `_bootstrap`'s `finally`, past the handler that prints tracebacks, so the worker ends with exit
+    code 1 and nothing on stderr: "DataLoader worker (pid ...) exited unexpectedly with exit code 1" at the end
+    of every pass over a loader with `data.num_workers` > 0 (Prefect 3.8.8). The hooks belong to threads of the
+    parent that do not exist in the worker, so dropping them loses nothing. Spawned or forkserver workers start
+    with none; the list is private to CPython, hence the guard.
+    """
+    hooks = getattr(threading, "_threading_atexits", None)
+    if isinstance(hooks, list):
+        # Fork copied the parent's thread-exit hooks (Prefect's log/event drains): they fail here, exit code 1.
+        hooks.clear()
 
 
 def collate_skipping(samples: list[tuple[Any, int, int] | None]) -> tuple[torch.Tensor, ...]:

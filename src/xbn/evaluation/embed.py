@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from xbn.data import ImageDataset, build_transform, encode_labels
-from xbn.data.dataset import collate_skipping
+from xbn.data.dataset import collate_skipping, loader_worker_init
 from xbn.evaluation.metrics import retrieval_metrics
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ def image_loader(frame: pd.DataFrame, root: str | Path, labels: np.ndarray, tran
     dataset = ImageDataset(frame, root, labels, transform, skip_unreadable=skip_unreadable)
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
                       collate_fn=collate_skipping if skip_unreadable else None,
-                      pin_memory=device.type == "cuda", persistent_workers=False)
+                      worker_init_fn=loader_worker_init, pin_memory=device.type == "cuda", persistent_workers=False)
 
 
 @torch.no_grad()

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from xbn import distributed
 from xbn.config import Params
 from xbn.data import ImageDataset, build_transform, encode_labels, read_manifest
-from xbn.data.dataset import collate_skipping
+from xbn.data.dataset import collate_skipping, loader_worker_init
 from xbn.data.samplers import build_batch_sampler
 from xbn.evaluation.embed import autocast, evaluate_split, image_loader
 from xbn.evaluation.embed import embed as embed_images
@@ -141,8 +141,8 @@ class Trainer:
         self.requested = RequestedBatches(self.sampler)  # names the rows a batch lost
         self.loader = DataLoader(SeededSamples(train_set), batch_sampler=self.requested,
                                  collate_fn=collate_skipping, num_workers=p.data.num_workers,
-                                 pin_memory=self.device.type == "cuda", generator=self.loader_generator,
-                                 persistent_workers=False)
+                                 worker_init_fn=loader_worker_init, pin_memory=self.device.type == "cuda",
+                                 generator=self.loader_generator, persistent_workers=False)
         probe_set = ImageDataset(train_frame, p.data.root, train_labels, self.eval_transform,
                                  skip_unreadable=True)
         probe_idx = np.linspace(0, len(probe_set) - 1, min(p.train.probe_size, len(probe_set))).astype(int)
