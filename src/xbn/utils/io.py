@@ -1,5 +1,11 @@
 """Atomic file output: every artifact a later stage reads is written to a temp file and renamed into place,
-so a crash never leaves a truncated file behind."""
+so a crash never leaves a truncated file behind.
+
+The temp file sits beside the target as `.<name>.<host>.<pid>.<token>.tmp` and gets the mode the umask gives
+(0644 under umask 022), like any file the process creates. A process killed while it writes (SIGKILL, a lost
+machine) runs no cleanup and leaves its temp file; the next write of the same target removes it, once the
+process named in it is gone (a temp file of another host is left alone: its pid means nothing here).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,19 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
+import re
+import secrets
+import socket
+import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
+
+
+_HOST = socket.gethostname()
+_LIVE: set[Path] = set()  # temp files this process is writing now (any thread)
+_LIVE_LOCK = threading.Lock()
+_LEGACY_TEMP_AGE_S = 3600  # `.<name>.XXXXXXXX.tmp` of older versions: no pid, so removed only when this old
 
 
 @contextlib.contextmanager
@@ -17,9 +33,16 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temp path in the target's directory; on success it replaces `path` atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
+    remove_stale_temps(path)
+    while True:
+        tmp_path = path.with_name(f".{path.name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:  # 0o666 & ~umask, as open() gives; mkstemp would make it 0600 whatever the umask
+            os.close(os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            break
+        except FileExistsError:
+            continue
+    with _LIVE_LOCK:
+        _LIVE.add(tmp_path.absolute())
     try:
         yield tmp_path
         with open(tmp_path, "rb+") as fh:
@@ -27,6 +50,51 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         os.replace(tmp_path, path)
     finally:
         tmp_path.unlink(missing_ok=True)
+        with _LIVE_LOCK:
+            _LIVE.discard(tmp_path.absolute())
+
+
+def remove_stale_temps(path: str | Path) -> list[Path]:
+    """Remove the temp files that writers of `path` killed mid-write left beside it; returns them."""
+    path = Path(path)
+    ours = re.compile(rf"\.{re.escape(path.name)}\.(?P<host>.+)\.(?P<pid>\d+)\.[0-9a-f]{{8}}\.tmp")
+    legacy = re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}\.tmp")
+    removed = []
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(f".{path.name}.") or not entry.name.endswith(".tmp"):
+            continue
+        temp = Path(entry.path)
+        if match := ours.fullmatch(entry.name):
+            if match["host"] != _HOST or _writing(int(match["pid"]), temp):
+                continue
+        elif legacy.fullmatch(entry.name):
+            with contextlib.suppress(OSError):
+                if time.time() - entry.stat().st_mtime < _LEGACY_TEMP_AGE_S:
+                    continue
+        else:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            temp.unlink()
+            removed.append(temp)
+    return removed
+
+
+def _writing(pid: int, temp: Path) -> bool:
+    """Whether process `pid` of this host may still be writing `temp`."""
+    if pid == os.getpid():
+        with _LIVE_LOCK:
+            return temp.absolute() in _LIVE
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def write_text(path: str | Path, text: str) -> None:
