@@ -3,8 +3,11 @@ training, with a message naming the store; transient errors while a run logs are
 
 from __future__ import annotations
 
+import base64
+import http.server
 import logging
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -98,3 +101,51 @@ def test_epoch_logging_survives_a_store_that_went_down(monkeypatch, caplog):
         log_epoch(1, {"epoch": 1, "loss": 0.5})  # the training goes on
     assert "epoch 1 metrics not logged" in caplog.text and caplog.text.count("retry") == 3
     assert time.monotonic() - start < 30
+
+
+PASSWORD = "secret"  # named once: a traceback that prints a test's source line must not show it
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    seen: list[tuple[str, str | None]] = []
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        _Health.seen.append((self.path, self.headers.get("Authorization")))
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+        self.wfile.write(b"OK")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def health_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    _Health.seen.clear()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_server_uri_with_user_and_password_is_reachable_and_the_password_never_printed(
+        health_server, caplog, capsys):
+    uri = f"http://user:{PASSWORD}@127.0.0.1:{health_server}/"
+    with caplog.at_level(logging.DEBUG):
+        check_reachable(uri)
+    # The credentials go as basic auth, not in the request line; the URI is logged masked.
+    assert _Health.seen == [("/health", "Basic " + base64.b64encode(f"user:{PASSWORD}".encode()).decode())]
+    out = capsys.readouterr()
+    assert PASSWORD not in caplog.text + out.out + out.err
+    assert "user:***@127.0.0.1" in caplog.text  # the warning to move the password to the environment
+
+
+def test_cli_names_a_server_with_credentials_without_its_password(params_file, capsys):
+    # The same URI whose server is down: exit 4 naming it, masked, and no password anywhere in the output.
+    uri = f"http://user:{PASSWORD}@127.0.0.1:{_free_port()}"
+    params = params_file("tracking.enabled=true", f"tracking.uri={uri}")
+    assert main(["train", "--params", str(params), "-q"]) == EXIT_SERVICE
+    out = capsys.readouterr()
+    assert PASSWORD not in out.out + out.err and "user:***@127.0.0.1" in out.err

@@ -8,7 +8,9 @@ server. A URI that still embeds a password is masked (`***`) wherever xbn logs o
 
 from __future__ import annotations
 
+import base64
 import logging
+import os
 import random
 import re
 import time
@@ -16,7 +18,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse, urlsplit, urlunsplit
 
 from xbn.utils.errors import ServiceUnavailableError
 
@@ -62,7 +64,7 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
     scheme = urlparse(uri).scheme.split("+")[0]
     try:
         if scheme in ("http", "https"):
-            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as response:
+            with urllib.request.urlopen(health_request(uri), timeout=timeout) as response:
                 if response.status != 200:
                     raise OSError(f"/health answered HTTP {response.status}")
         elif scheme in _DATABASE_SCHEMES:
@@ -87,6 +89,23 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
             f"the MLflow tracking store {shown} is not reachable ({reason}); start it, or point "
             f"MLFLOW_TRACKING_URI / tracking.uri at one that is (tracking.enabled=false runs without it)"
         ) from None
+
+
+def health_request(uri: str) -> urllib.request.Request:
+    """GET <server>/health with any `user:password@` of the URI taken out of the address (urllib would read it
+    as part of the host name) and sent as HTTP basic auth instead, as MLflow's client does; without one,
+    MLFLOW_TRACKING_USERNAME/PASSWORD are sent when set."""
+    parts = urlsplit(uri)
+    url = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])).rstrip("/") + "/health"
+    request = urllib.request.Request(url)
+    if parts.username is not None:
+        user, password = unquote(parts.username), unquote(parts.password or "")
+    else:
+        user, password = (os.environ.get(f"MLFLOW_TRACKING_{k}") for k in ("USERNAME", "PASSWORD"))
+    if user:
+        token = base64.b64encode(f"{user}:{password or ''}".encode()).decode("ascii")
+        request.add_unredirected_header("Authorization", f"Basic {token}")
+    return request
 
 
 def is_transient(exc: BaseException) -> bool:
