@@ -266,6 +266,41 @@ def grid_verdicts(data: dict[str, Any], dataset: str) -> list[str]:
     return lines
 
 
+def default_choice(data: dict[str, Any]) -> str | None:
+    """Issue 13's rule for the shipped `memory.method`: the candidate with the highest validation R@1, mean over
+    every (dataset, batch, seed) run of the grid; test R@1 is shown but does not decide."""
+    from benchmarks.grid import DEFAULT_CANDIDATES
+
+    runs = [r for r in data["runs"] if "val_recall@1" in r and r["dataset"] != "default"]
+    means = {m: statistics.mean(r["val_recall@1"] for r in runs if r["method"] == m) for m in DEFAULT_CANDIDATES
+             if any(r["method"] == m for r in runs)}
+    if not means:
+        return None
+    pick = max(means, key=means.get)
+    tests = {m: statistics.mean(r["recall@1"] for r in runs if r["method"] == m) for m in means}
+    listed = ", ".join(f"{m} {means[m]:.4f} (test {tests[m]:.4f})" for m in sorted(means, key=means.get,
+                                                                                     reverse=True))
+    counts = {m: sum(r["method"] == m for r in runs) for m in means}
+    return (f"**Default method by the issue's rule** (highest validation R@1, mean over every dataset, batch and "
+            f"seed: {', '.join(f'{m} {n} runs' for m, n in counts.items())}): **{pick}**. Mean val R@1: {listed}.")
+
+
+def batch_verdict(data: dict[str, Any], dataset: str) -> str | None:
+    """Does a memory help more at a small batch? The best memory method's paired difference to `none` per batch."""
+    from benchmarks.grid import METHODS
+
+    parts = []
+    for batch in sorted({r["batch"] for r in data["table"] if r["dataset"] == dataset}):
+        diffs = [(m, d) for m in METHODS if m != "none"
+                 if (d := paired_difference(data["runs"], dataset, batch, m, "none")) is not None]
+        if not diffs:
+            continue
+        method, d = max(diffs, key=lambda md: md[1]["mean"])
+        gain = "a gain beyond the seed spread" if d["low"] > 0 else "no gain beyond the seed spread"
+        parts.append(f"batch {batch}: best memory method {method}, {_interval(d)} test R@1 over none ({gain})")
+    return ("- Memory vs batch size: " + "; ".join(parts) + ".") if parts else None
+
+
 def grid_section(data: dict[str, Any]) -> str:
     from benchmarks.grid import render
 
@@ -284,12 +319,17 @@ def grid_section(data: dict[str, Any]) -> str:
            "Test = leave-one-out on the test classes; val = the class-disjoint validation split, best epoch. "
            "± is the sample std over seeds.", ""]
     for dataset, info in data.get("data", {}).items():
+        if not any(r["dataset"] == dataset for r in data["table"]):
+            continue
         spec, splits = info["spec"], info["splits"]
         out += [f"### {dataset}", "",
                 f"{spec['image_size']} px; train {splits['train']['classes']} classes / {splits['train']['images']} "
                 f"images, val {splits['val']['classes']} / {splits['val']['images']}, test "
                 f"{splits['test']['classes']} / {splits['test']['images']}.", "",
-                render(data, dataset), "", *grid_verdicts(data, dataset), ""]
+                render(data, dataset), "", *grid_verdicts(data, dataset),
+                *([v] if (v := batch_verdict(data, dataset)) else []), ""]
+    if choice := default_choice(data):
+        out += [choice, ""]
     png = DOCS / f"{data['_file'].rsplit('/', 1)[-1][:-5]}_recall.png"
     if png.exists():
         out += [f"![test R@1 vs batch size]({png.name})", ""]
