@@ -2,7 +2,9 @@
 
 Every task calls one function of `xbn.stages`; no stage logic lives here. Transient failures (a service that
 blinked, a killed worker) are retried, and a retried `train` resumes from its last checkpoint; bad data and bad
-config are not retried, since a retry cannot fix them.
+config are not retried, since a retry cannot fix them. A retried `train` resumes only a checkpoint that this flow
+run wrote (`models/last.pt` records it): one left by another run (`make run`, an earlier flow run, other params)
+is trained over from scratch.
 
     python -m pipelines.retrain                 # one run now (ephemeral Prefect server unless PREFECT_API_URL)
     python -m pipelines.retrain --serve         # serve the weekly schedule from this process
@@ -13,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.runtime import task_run
+from prefect.runtime import flow_run, task_run
 
 from xbn.config import ConfigError, Params, load_params
 from xbn.data import DatasetError
@@ -58,11 +61,31 @@ def validate_data(params: Params) -> dict:
 def train_model(params: Params) -> dict:
     from xbn.stages.train import train
 
-    # A retry (run_count > 1) continues from models/last.pt instead of starting over.
-    resume = (task_run.run_count or 1) > 1
-    if resume:
-        get_run_logger().info("retry %d: resuming from the last checkpoint", task_run.run_count)
-    return train(params, resume=resume, progress=False)
+    run_id = flow_run.id  # None when the task is called outside a flow run
+    # A retry (run_count > 1) continues from models/last.pt instead of starting over, if this flow run wrote it.
+    resume = (task_run.run_count or 1) > 1 and _own_checkpoint(params, run_id)
+    return train(params, resume=resume, progress=False, flow_run_id=run_id)
+
+
+def _own_checkpoint(params: Params, run_id: str | None) -> bool:
+    """Whether `models/last.pt` is this flow run's (then the retry resumes it; the trainer still checks the
+    params). Anything else is another training's: resuming it would report its result as this run's."""
+    from xbn.training.trainer import checkpoint_identity
+
+    logger, attempt = get_run_logger(), task_run.run_count
+    path = Path(params.train.checkpoint_dir) / "last.pt"
+    found = checkpoint_identity(path)
+    if found is None:
+        logger.info("retry %d: no checkpoint at %s yet: training from scratch", attempt, path)
+        return False
+    if run_id is None or found["flow_run_id"] != str(run_id):
+        owner = f"flow run {found['flow_run_id']}" if found["flow_run_id"] else "a run outside any flow run"
+        logger.warning("retry %d: %s (epoch %d) belongs to %s, not to this flow run %s: training from scratch",
+                       attempt, path, found["epoch"], owner, run_id)
+        return False
+    logger.info("retry %d: resuming from %s at epoch %d (this flow run's checkpoint)", attempt, path,
+                found["epoch"])
+    return True
 
 
 @task(**TASK_OPTIONS)

@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with distributed.process_group(resolve_device(params.train.device).type):
             summary = run(params, resume=args.resume, progress=not args.quiet, params_file=args.params)
+    except ConfigError as exc:  # e.g. --resume of a checkpoint trained with other params
+        print(f"xbn.train: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except (DatasetError, FileNotFoundError) as exc:
         print(f"xbn.train: {exc}", file=sys.stderr)
         return EXIT_DATA

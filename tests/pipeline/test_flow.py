@@ -60,24 +60,33 @@ def test_bad_data_fails_the_flow_without_retrying(prefect_harness, tmp_path, gly
     assert not Path("models/model.pt").exists()
 
 
-def test_a_retried_train_task_resumes_from_the_last_checkpoint(prefect_harness, tmp_path, glyph_root, monkeypatch):
+@pytest.mark.parametrize("stale", [False, True], ids=["own-checkpoint", "stale-checkpoint"])
+def test_a_retried_train_task_resumes_only_its_own_checkpoint(prefect_harness, tmp_path, glyph_root, monkeypatch,
+                                                               stale):
+    """A retry continues from the checkpoint its own flow run wrote; a models/last.pt left by another run (here a
+    finished one, outside any flow run, as `make run` leaves it) is trained over from scratch, not reported as
+    this run's result after 0 epochs (issue 14)."""
+    import torch
     from prefect import flow
 
     from pipelines.retrain import train_model
     from xbn.config import load_params
     from xbn.stages.prepare import prepare
-    from xbn.training.trainer import Trainer
+    from xbn.training.trainer import Trainer, params_hash
 
     monkeypatch.chdir(tmp_path)
     params = load_params(ROOT / "params.yaml", [*TINY, f"data.root={glyph_root}"])
     prepare(params)
     uninterrupted = train_model.fn(params)  # the same run in one go, for comparison
-    Path("models/last.pt").unlink()
+    assert torch.load("models/last.pt", weights_only=True)["flow_run_id"] is None
+    if not stale:
+        Path("models/last.pt").unlink()
     train_epoch, started = Trainer._train_epoch, []
+    fail_at = [0] if stale else [0, 1]  # stale: before this run writes any checkpoint of its own
 
-    def blinks_once(self):  # the disk goes away during the second epoch of the first attempt
+    def blinks_once(self):  # the disk goes away during an epoch of the first attempt
         started.append(self.epoch)
-        if started == [0, 1]:
+        if started == fail_at:
             raise OSError("the disk blinked")
         return train_epoch(self)
 
@@ -85,12 +94,17 @@ def test_a_retried_train_task_resumes_from_the_last_checkpoint(prefect_harness, 
 
     @flow
     def only_train():
-        return train_model.with_options(retry_delay_seconds=0)(params)
+        from prefect.runtime import flow_run
 
-    summary = only_train()
-    assert started == [0, 1, 1, 2]  # the retry resumed at the failed epoch instead of starting over at 0
+        return flow_run.id, train_model.with_options(retry_delay_seconds=0)(params)
+
+    run_id, summary = only_train()
+    # own: the retry resumed at the failed epoch; stale: it started over at 0 instead of adopting epoch 3.
+    assert started == ([0, 0, 1, 2] if stale else [0, 1, 1, 2])
     assert summary["epochs"] == uninterrupted["epochs"] == 3
     assert summary["best_val_recall@1"] == uninterrupted["best_val_recall@1"]
+    state = torch.load("models/last.pt", weights_only=True)
+    assert state["flow_run_id"] == str(run_id) and state["params_hash"] == params_hash(params)
 
 
 def test_dataloader_workers_survive_inside_a_flow_run(prefect_harness, glyph_root):

@@ -101,3 +101,77 @@ def test_axbn_auto_resumed_after_epoch_1_equals_uninterrupted_run(tiny_params):
     # per-epoch loss and validation recall, exactly (json: the untrained row's loss is NaN, and NaN != NaN)
     assert json.dumps(resumed.history.epochs) == json.dumps(full.history.epochs)
     assert resumed.summary() == full.summary()
+
+
+def _checkpoint_of(params) -> Path:
+    """The `last.pt` a run with `params` leaves after its first epoch (no training needed to write one)."""
+    from xbn.utils.io import save_torch
+
+    trainer = Trainer(params, progress=False)
+    trainer.epoch = 1
+    path = trainer.checkpoint_dir / "last.pt"
+    save_torch(path, trainer._state())
+    return path
+
+
+def test_resume_refuses_a_checkpoint_trained_with_other_params(tiny_params):
+    from xbn.config import ConfigError
+
+    prepare(tiny_params())
+    _checkpoint_of(tiny_params("train.seed=7", "memory.method=xbm"))
+    trainer = Trainer(tiny_params(), progress=False)
+    with pytest.raises(ValueError, match="trained with other params: 2 key") as caught:
+        trainer.resume()
+    message = str(caught.value)
+    assert "memory.method: 'xbm' in the checkpoint, 'axbn' now" in message
+    assert "train.seed: 7 in the checkpoint, 0 now" in message
+    assert isinstance(caught.value, ConfigError) and trainer.epoch == 0  # nothing was loaded
+
+
+def test_resume_accepts_keys_that_leave_the_weights_alone(tiny_params, caplog):
+    prepare(tiny_params())
+    _checkpoint_of(tiny_params("train.epochs=1", "data.num_workers=1", "eval.batch_size=8",
+                               "tracking.experiment=elsewhere"))
+    trainer = Trainer(tiny_params(), progress=False)
+    with caplog.at_level("INFO", logger="xbn.training.trainer"):
+        assert trainer.resume() and trainer.epoch == 1
+    assert "data.num_workers, eval.batch_size, tracking.experiment, train.epochs" in caplog.text
+
+
+def test_resume_refuses_a_checkpoint_that_does_not_name_its_params(tiny_params):
+    from xbn.utils.io import save_torch
+
+    prepare(tiny_params())
+    path = _checkpoint_of(tiny_params())
+    state = torch.load(path, weights_only=True)
+    for key in ("params", "params_hash", "flow_run_id"):  # what xbn wrote before it recorded them
+        del state[key]
+    save_torch(path, state)
+    with pytest.raises(ValueError, match="does not record the params it was trained with"):
+        Trainer(tiny_params(), progress=False).resume()
+
+
+def test_cli_resume_with_other_params_exits_with_the_config_code(tiny_params, glyph_root, capsys):
+    import yaml
+
+    from tests_support import ROOT, TINY
+    from xbn.cli import EXIT_CONFIG, main
+    from xbn.config import apply_overrides
+
+    prepare(tiny_params())
+    _checkpoint_of(tiny_params("train.lr=0.5"))
+    raw = apply_overrides(yaml.safe_load((ROOT / "params.yaml").read_text()), [*TINY, f"data.root={glyph_root}"])
+    Path("params.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["train", "--resume", "-q"]) == EXIT_CONFIG
+    assert "train.lr: 0.5 in the checkpoint, 0.0001 now" in capsys.readouterr().err
+
+
+def test_checkpoint_records_the_params_hash_mlflow_tags_runs_with(tiny_params):
+    from xbn.tracking.fingerprints import params_hash
+    from xbn.training.trainer import checkpoint_identity
+
+    params = tiny_params()
+    prepare(params)
+    path = _checkpoint_of(params)
+    assert checkpoint_identity(path) == {"params_hash": params_hash(params), "flow_run_id": None, "epoch": 1}
+    assert checkpoint_identity(path.with_name("absent.pt")) is None

@@ -8,9 +8,10 @@ from xbn.training.trainer import train as fit
 
 
 def train(params: Params, resume: bool = False, progress: bool = True, params_file: str = "params.yaml",
-          on_epoch: EpochCallback | None = None) -> dict:
+          on_epoch: EpochCallback | None = None, flow_run_id: str | None = None) -> dict:
+    """`flow_run_id`: the retrain flow run calling (recorded in the checkpoint; see `Trainer`)."""
     if not params.tracking.enabled:
-        return fit(params, resume=resume, progress=progress, on_epoch=on_epoch)
+        return fit(params, resume=resume, progress=progress, on_epoch=on_epoch, flow_run_id=flow_run_id)
     from xbn.tracking import epoch_logger, log_training, pipeline_run, tracking_uri
     from xbn.tracking.services import check_reachable
 
@@ -24,7 +25,7 @@ def train(params: Params, resume: bool = False, progress: bool = True, params_fi
             if on_epoch:
                 on_epoch(epoch, row)
 
-        summary = fit(params, resume=resume, progress=progress, on_epoch=both)
+        summary = fit(params, resume=resume, progress=progress, on_epoch=both, flow_run_id=flow_run_id)
         log_training(params, run, params_file)
     return summary
 

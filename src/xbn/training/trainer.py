@@ -17,6 +17,8 @@ every rank takes the same best-model decision, and the others wait at a barrier 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import random
@@ -34,7 +36,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from xbn import distributed
-from xbn.config import Params
+from xbn.config import ConfigError, Params, flatten
 from xbn.data import ImageDataset, build_transform, encode_labels, read_manifest
 from xbn.data.dataset import collate_skipping, loader_worker_init
 from xbn.data.samplers import build_batch_sampler
@@ -58,6 +60,48 @@ STEP_COLUMNS = ["iteration", "epoch", "loss", "lr", "drift_mean", "drift_max", "
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN/inf: training stops, the last good checkpoint is kept."""
+
+
+class CheckpointMismatchError(ConfigError):
+    """`models/last.pt` was written with other training params: resuming it would splice two different runs."""
+
+
+CHECKPOINT_FORMAT = "xbn-train-state/1"
+# What a resumed run must share with its checkpoint: the sections the train stage depends on (dvc.yaml), except
+# the keys that cannot change the weights: where outputs go, how many loader processes read the images, and
+# train.epochs (a resumed run may go further: the schedule steps every lr_step_epochs, whatever the total).
+TRAINING_SECTIONS = ("data.", "model.", "memory.", "loss.", "train.")
+MAY_DIFFER_ON_RESUME = {"data.num_workers", "train.checkpoint_dir", "train.metrics_dir", "train.epochs"}
+
+
+def params_record(params: Params) -> dict:
+    """The flattened params as plain JSON values (what a checkpoint stores: `torch.load(weights_only=True)`
+    reads it back)."""
+    return json.loads(json.dumps(flatten(params), sort_keys=True, default=str))
+
+
+def params_hash(params: Params) -> str:
+    """The value `xbn.tracking.fingerprints.params_hash` tags MLflow runs with, computed here because importing
+    xbn.tracking loads MLflow, which training never does."""
+    return hashlib.sha256(json.dumps(flatten(params), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def training_params_differ(saved: dict, current: dict) -> list[str]:
+    """The keys of the training sections whose values differ between two `params_record`s (sorted)."""
+    keys = {k for k in saved.keys() | current.keys() if k.startswith(TRAINING_SECTIONS)} - MAY_DIFFER_ON_RESUME
+    missing = object()
+    return sorted(k for k in keys if saved.get(k, missing) != current.get(k, missing))
+
+
+def checkpoint_identity(path: str | Path) -> dict | None:
+    """Who wrote the training checkpoint at `path`: its params hash, the flow run it belongs to (None outside
+    one, or when written before xbn recorded it) and the epochs it completed; None when there is no file."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return {"params_hash": state.get("params_hash"), "flow_run_id": state.get("flow_run_id"),
+            "epoch": int(state.get("epoch", 0))}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -89,8 +133,13 @@ class History:
 
 
 class Trainer:
-    def __init__(self, params: Params, progress: bool = True, on_epoch: EpochCallback | None = None):
+    """`flow_run_id`: the retrain flow run this training belongs to (recorded in `last.pt`, so that a retry of
+    the flow resumes only its own checkpoint); None outside a flow run."""
+
+    def __init__(self, params: Params, progress: bool = True, on_epoch: EpochCallback | None = None,
+                 flow_run_id: str | None = None):
         self.params, self.progress, self.on_epoch = params, progress, on_epoch
+        self.flow_run_id = None if flow_run_id is None else str(flow_run_id)
         p = params
         self.rank, self.world_size = distributed.rank(), distributed.world_size()
         self.is_main = self.rank == 0
@@ -206,7 +255,11 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------------------
     def _state(self) -> dict:
         return {
-            "format": "xbn-train-state/1",
+            "format": CHECKPOINT_FORMAT,
+            # Whose checkpoint this is: `resume` refuses other params, the retrain flow another flow run's.
+            "params_hash": params_hash(self.params),
+            "params": params_record(self.params),
+            "flow_run_id": self.flow_run_id,
             "epoch": self.epoch,
             "iteration": self.iteration,
             "model": self.model.state_dict(),
@@ -221,14 +274,16 @@ class Trainer:
         }
 
     def resume(self, path: str | Path | None = None) -> bool:
-        """Load `models/last.pt` if it exists; returns whether training resumed."""
+        """Load `models/last.pt` if it exists; returns whether training resumed. A checkpoint written with other
+        training params raises `CheckpointMismatchError` (a ConfigError) naming the keys that differ."""
         path = Path(path or self.checkpoint_dir / "last.pt")
         if not path.exists():
             log.warning("no checkpoint at %s: starting from scratch", path)
             return False
         state = torch.load(path, map_location=self.device, weights_only=True)
-        if state.get("format") != "xbn-train-state/1":
+        if state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path} is not an xbn training checkpoint")
+        self._check_params(path, state)
         self.epoch, self.iteration = int(state["epoch"]), int(state["iteration"])
         self.model.load_state_dict(state["model"])
         self.optimizer, self.scheduler = self._optimizer_for(self.epoch)
@@ -246,6 +301,25 @@ class Trainer:
                                list(h.get("skipped", [])))
         log.info("resumed from %s at epoch %d (iteration %d)", path, self.epoch, self.iteration)
         return True
+
+    def _check_params(self, path: Path, state: dict) -> None:
+        if state.get("params_hash") == params_hash(self.params):
+            return
+        saved = state.get("params")
+        if saved is None:
+            raise CheckpointMismatchError(
+                f"{path} does not record the params it was trained with (written by an older xbn), so resuming "
+                f"it could continue another run: train without --resume, or delete it")
+        current = params_record(self.params)
+        differ = training_params_differ(saved, current)
+        if differ:
+            shown = "; ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {current.get(k)!r} now" for k in differ[:8])
+            more = f" (and {len(differ) - 8} more)" if len(differ) > 8 else ""
+            raise CheckpointMismatchError(
+                f"{path} was trained with other params: {len(differ)} key(s) differ: {shown}{more}. Resume with "
+                f"the checkpoint's params, or train without --resume (it overwrites {path.name})")
+        changed = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+        log.info("%s: resuming; only keys that leave the weights as they are differ: %s", path, ", ".join(changed))
 
     # -- the loop -------------------------------------------------------------------------------------------
     def validate(self) -> dict:
@@ -416,8 +490,8 @@ def write_csv(path: Path, rows: list[dict], columns: list[str] | None = None) ->
 
 
 def train(params: Params, resume: bool = False, progress: bool = True,
-          on_epoch: EpochCallback | None = None) -> dict:
-    trainer = Trainer(params, progress=progress, on_epoch=on_epoch)
+          on_epoch: EpochCallback | None = None, flow_run_id: str | None = None) -> dict:
+    trainer = Trainer(params, progress=progress, on_epoch=on_epoch, flow_run_id=flow_run_id)
     if resume:
         trainer.resume()
     summary = trainer.fit()
