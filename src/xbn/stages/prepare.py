@@ -12,7 +12,11 @@ log = logging.getLogger(__name__)
 
 
 def prepare(params: Params) -> dict:
+    """Write `data.manifest` from the dataset at `data.root`. The previous manifest is removed first, so a
+    prepare that fails (or is killed) leaves none: validate and train then stop on its absence instead of
+    running on the data as it was before."""
     d = params.data
+    Path(d.manifest).unlink(missing_ok=True)
     root = Path(d.root)
     if d.dataset == "glyphs":
         from xbn.data.glyphs import generate_glyphs

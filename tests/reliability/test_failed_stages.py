@@ -1,0 +1,23 @@
+"""A stage that fails leaves nothing a later stage could take for its result, and `xbn run` stops where
+`dvc repro` would: bad data never reaches training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from xbn.cli import EXIT_DATA, main
+
+
+def test_a_failed_prepare_removes_the_previous_manifest_so_validate_fails(params_file, tmp_path, capsys):
+    good = str(params_file())
+    assert main(["prepare", "--params", good, "-q"]) == 0
+    manifest = Path("data/manifest.csv")
+    assert manifest.exists()
+    # The dataset moves (or its label file breaks): prepare fails, and the old manifest must not survive it.
+    bad = str(params_file("data.dataset=folder", f"data.root={tmp_path / 'moved'}", name="bad.yaml"))
+    assert main(["prepare", "--params", bad, "-q"]) == EXIT_DATA
+    assert not manifest.exists()
+    capsys.readouterr()
+    assert main(["validate", "--params", bad, "-q"]) == EXIT_DATA
+    assert "manifest_readable" in capsys.readouterr().err
+    assert "data/manifest.csv" in Path("reports/validation.md").read_text()
