@@ -93,10 +93,12 @@ def _stage_tune(params: Params, args) -> dict:
 
 
 def _stage_run(params: Params, args) -> dict:
+    """The stages `dvc repro` runs before register, in its order: a validation failure (a `DatasetError`)
+    stops here with exit 3, before training."""
     args.resume = False
     return {name: fn(params, args) for name, fn in
-            (("prepare", _stage_prepare), ("train", _stage_train), ("refine", _stage_refine),
-             ("evaluate", _stage_evaluate))}
+            (("prepare", _stage_prepare), ("validate", _stage_validate), ("train", _stage_train),
+             ("refine", _stage_refine), ("evaluate", _stage_evaluate))}
 
 
 def _summary(params: Params, args) -> str:
@@ -153,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (promote, rollback):
         p.add_argument("--user", default=None, help="who decides (default: $USER)")
     registry.set_defaults(fn=_registry)
-    sub.add_parser("run", parents=[common], help="prepare, train, refine and evaluate in order").set_defaults(
-        fn=_stage_run)
+    sub.add_parser("run", parents=[common],
+                   help="prepare, validate, train, refine and evaluate in order (stops on a failed validation)"
+                   ).set_defaults(fn=_stage_run)
     sub.add_parser("summary", parents=[common],
                    help="what the last pipeline run did, from the files its stages wrote").set_defaults(fn=_summary)
     tune = sub.add_parser("tune", parents=[common],

@@ -21,3 +21,13 @@ def test_a_failed_prepare_removes_the_previous_manifest_so_validate_fails(params
     assert main(["validate", "--params", bad, "-q"]) == EXIT_DATA
     assert "manifest_readable" in capsys.readouterr().err
     assert "data/manifest.csv" in Path("reports/validation.md").read_text()
+
+
+def test_xbn_run_validates_like_dvc_repro_and_stops_on_a_failure(params_file, capsys):
+    # Every tiny glyph is 32 px: a 1000 px minimum fails validation after prepare succeeded.
+    params = str(params_file("validate.min_image_side=1000"))
+    assert main(["run", "--params", params, "-q"]) == EXIT_DATA
+    err = capsys.readouterr().err
+    assert "xbn run: data validation failed: image_width_in_bounds (96 rows)" in err, err
+    assert Path("reports/validation.json").exists()
+    assert not Path("models").exists() and not Path("metrics").exists()  # training never started
