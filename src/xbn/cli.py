@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # a check that needs more than the schema (e.g. a tune.space bound)
         print(f"xbn {args.command}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    except (DatasetError, FileNotFoundError) as exc:
+    except (DatasetError, FileNotFoundError, FileExistsError) as exc:  # FileExistsError: data.root is not ours
         print(f"xbn {args.command}: {exc}", file=sys.stderr)
         return EXIT_DATA
     except ServiceUnavailableError as exc:  # the tracking store is down: nothing was started

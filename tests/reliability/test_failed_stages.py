@@ -31,3 +31,15 @@ def test_xbn_run_validates_like_dvc_repro_and_stops_on_a_failure(params_file, ca
     assert "xbn run: data validation failed: image_width_in_bounds (96 rows)" in err, err
     assert Path("reports/validation.json").exists()
     assert not Path("models").exists() and not Path("metrics").exists()  # training never started
+
+
+def test_generate_into_a_folder_that_is_not_a_glyph_set_is_a_data_error(params_file, tmp_path, capsys):
+    other = tmp_path / "photos"
+    other.mkdir()
+    (other / "holiday.jpg").write_bytes(b"not ours")
+    for stage in ("generate", "prepare"):  # prepare generates the default glyph set too
+        params = str(params_file(f"data.root={other}"))
+        assert main([stage, "--params", params, "-q"]) == EXIT_DATA
+        err = capsys.readouterr().err
+        assert f"xbn {stage}: {other} exists and is not a glyph set" in err and "Traceback" not in err
+        assert (other / "holiday.jpg").read_bytes() == b"not ours"  # left as it was

@@ -311,6 +311,9 @@ def generate_glyphs(root: str | Path, classes: int = 600, images_per_class: int 
                          "image_size >= 8 and seed >= 0")
     if _matches(root, arguments):
         return root
+    if root.exists() and any(root.iterdir()) and not (root / "glyphs.json").exists():
+        raise FileExistsError(f"{root} exists and is not a glyph set (it has no glyphs.json); refusing to "
+                              "replace it: point data.root at a new or empty folder")
     candidates = candidate_glyphs()
     if classes > len(candidates):
         raise ValueError(f"requested {classes} glyph classes, but the matplotlib fonts supply only "
@@ -320,8 +323,6 @@ def generate_glyphs(root: str | Path, classes: int = 600, images_per_class: int 
     test = set(np.random.default_rng(seed).permutation(classes)[: classes // 2].tolist())
     splits = ["test" if c in test else "train" for c in range(classes)]
 
-    if root.exists() and any(root.iterdir()) and not (root / "glyphs.json").exists():
-        raise FileExistsError(f"{root} exists and is not a glyph set; refusing to replace it")
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = _sibling(root, "tmp")
     tmp.mkdir()
