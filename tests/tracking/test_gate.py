@@ -8,7 +8,6 @@ import pytest
 
 from xbn.config import ConfigError, RegistryConfig, load_params
 from xbn.stages.gate import SplitScores, compare, decide
-from xbn.tracking import ModelVersionInfo, metric_tags
 
 from tests_support import ROOT
 
@@ -108,9 +107,3 @@ def test_the_gate_never_runs_on_the_test_split_and_needs_enough_resamples():
     with pytest.raises(ConfigError, match="registry.primary_metric"):
         load_params(ROOT / "params.yaml", ["registry.primary_metric=nmi"])  # not a per-query metric
     assert load_params(ROOT / "params.yaml").registry.gate_split == "val"
-
-
-def test_metric_tags_round_trip_at_full_precision():
-    info = ModelVersionInfo("m", 4, "run", "2026-01-01T00:00:00+00:00", "models:/x",
-                            tags=metric_tags({"recall@1": 0.1 + 0.2, "map@r": 1 / 3}))
-    assert info.metrics == {"recall@1": 0.1 + 0.2, "map@r": 1 / 3}

@@ -1,5 +1,6 @@
 """The registry stage against a real SQLite store: first model -> champion, the gate on the val split (both
-models embedded, paired bootstrap), idempotent re-register, manual promote and rollback, the review table."""
+models embedded, paired bootstrap), idempotent re-register, manual promote and rollback, the review table, and
+which tags a version carries (the rest is on its logged model and in its model card)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,16 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from xbn.stages.register import promote, register, review, rollback
+from xbn.tracking import Registry, log_evaluation, log_model, pipeline_run
 
-from .helpers import VAL_QUERIES, run_pipeline, write_manifest
+from .helpers import METRICS, VAL_QUERIES, run_pipeline, write_eval, write_manifest, write_model
+
+# A version's tags: what a reviewer scans across versions in the MLflow UI's versions table, where every tag is a
+# line of each version's row. Everything else belongs in the model card or on the logged model
+# (`Registry.record`): a tag added here must be worth a line in every row.
+FIRST_MODEL_TAGS = {"decision", "decided_by", "data_hash", "params_hash", "model_sha256", "served_embedding",
+                    "decided_at", "reason"}
+COMPARED_TAGS = FIRST_MODEL_TAGS | {"val_recall_at_1", "gate_interval"}  # + previous_champion if it replaced one
 
 
 def versions(params) -> dict[int, dict]:
@@ -40,7 +49,7 @@ def test_the_first_model_becomes_champion_and_registering_it_again_changes_nothi
     assert first["version"] == 1 and first["decision"] == "promoted" and first["alias"] == "champion"
     assert "first registered model" in first["reason"] and first["champion_version"] == 1
     v1 = versions(params)[1]
-    assert v1.tags["metric.recall_at_1"] == "0.5" and "metric.num_queries" not in v1.tags
+    assert set(v1.tags) == FIRST_MODEL_TAGS and first["metrics"] == METRICS
     assert v1.tags["decided_by"] == "gate"
     assert v1.tags["model_sha256"] and v1.tags["data_hash"] and len(v1.tags["params_hash"]) == 64
     assert "| recall@1 * | 0.5000 | - |" in v1.description and "## Key params" in v1.description
@@ -164,3 +173,66 @@ def test_promote_and_rollback_round_trip(params):
         promote(params, 2, " ")
     with pytest.raises(ValueError, match="no version 9"):
         promote(params, 9, "missing")
+
+
+def test_a_version_carries_only_the_tags_a_reviewer_scans_and_the_rest_reads_back_exactly(params):
+    run_pipeline(params, seed=0, blind=True)  # the first model: promoted without a comparison
+    better = run_pipeline(params, seed=1, **{"recall@1": 0.1 + 0.2, "map@r": 1 / 3})  # promoted over v1
+    worse = run_pipeline(params, seed=2, blind=True)  # rejected against v2
+    found = versions(params)
+    assert set(found[1].tags) == FIRST_MODEL_TAGS
+    assert set(found[2].tags) == COMPARED_TAGS | {"previous_champion"}
+    assert set(found[3].tags) == COMPARED_TAGS
+    assert found[2].tags["val_recall_at_1"] == "1.0000"  # the challenger's R@1 on val, as the gate measured it
+    assert found[3].tags["val_recall_at_1"] == f"{worse['gate']['challenger_metrics']['recall@1']:.4f}"
+
+    # The test metrics and the gate's comparison are on the version's logged model, at full precision.
+    v2 = Registry(params).get(2)
+    assert v2.metrics == {**METRICS, "recall@1": 0.1 + 0.2, "map@r": 1 / 3}
+    assert v2.gate == better["gate"] and v2.gate["champion_version"] == 1 and Registry(params).get(1).gate is None
+    client = MlflowClient(params.tracking.uri)
+    model = client.get_logged_model(v2.source.removeprefix("models:/"))
+    recorded = {m.key: (m.value, m.dataset_name, m.dataset_digest) for m in model.metrics if m.dataset_name}
+    assert recorded["recall_at_1"] == (0.1 + 0.2, "test", found[2].tags["data_hash"])
+    assert json.loads(model.tags["gate"]) == better["gate"]
+    assert client.get_run(v2.run_id).data.metrics["map_at_r"] == 1 / 3  # and on the run, under the usual key
+    # In the model card, beside the champion's, and in the report of a later promotion that compares with it.
+    assert "| recall@1 * | 0.3000 | 0.5000 | -0.2000 |" in found[2].description
+    assert "| map@r + | 0.3333 |" in found[2].description
+    promoted = promote(params, 3, "by hand", user="alice")
+    assert promoted["compared_with"] == {"version": 2, "metrics": v2.metrics}
+    assert promoted["gate"] == worse["gate"] and promoted["metrics"]["recall@1"] == METRICS["recall@1"]
+
+
+def test_served_refined_metrics_are_recorded_without_changing_the_runs_plain_ones(params):
+    write_model(params, seed=0)
+    plain = write_eval(params)
+    results = json.loads(Path(params.eval.output).read_text())
+    results["refined"] = {**plain, "recall@1": 0.7, "served": True}
+    Path(params.eval.output).write_text(json.dumps(results))
+    Path(params.refine.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(params.refine.output).write_bytes(b"refiner")
+    with pipeline_run(params, "train", new=True) as run:
+        log_evaluation(params, run)  # as the evaluate stage: plain as recall_at_1, refined as refined/recall_at_1
+    report = register(params)
+    assert report["metrics"] == {**plain, "recall@1": 0.7}
+    v1 = versions(params)[1]
+    assert v1.tags["served_embedding"] == "refined" and set(v1.tags) == FIRST_MODEL_TAGS
+    logged = MlflowClient(params.tracking.uri).get_run(v1.run_id).data.metrics
+    assert logged["recall_at_1"] == 0.5 and logged["refined/recall_at_1"] == 0.7
+
+
+def test_versions_registered_with_metric_tags_are_still_read(params):
+    """Before the metrics moved to the logged model, a version carried them as `metric.<key>` tags and the
+    gate's comparison as tag `gate`: stores registered that way still review and report."""
+    write_model(params, seed=0)
+    with pipeline_run(params, "train", new=True) as run:
+        uri = log_model(params, run)
+    gate = {"split": "val", "metric": "recall@1", "champion_version": 1, "difference": 0.25}
+    registry = Registry(params)
+    info = registry.create(uri, {"metric.recall_at_1": repr(0.1 + 0.2), "metric.map_at_r": repr(1 / 3),
+                                 "gate": json.dumps(gate), "decision": "promoted"})
+    assert info.metrics == {"recall@1": 0.1 + 0.2, "map@r": 1 / 3} and info.gate == gate
+    registry.set_alias("champion", info.version)
+    lines = {line.split("  ")[0]: line for line in review(params).splitlines()}
+    assert "0.3000" in lines["recall@1 *"] and "0.3333" in lines["map@r +"]

@@ -6,11 +6,17 @@ challenger and the champion are both embedded on the validation split (`registry
 data and compared query by query with a paired bootstrap; the first model is promoted, a challenger without a
 `val` split to compare on is `held`, and otherwise it is `promoted` only if the interval's lower bound clears
 `registry.min_improvement` and no guarded metric falls by more than `registry.tolerance`, else `rejected`.
-The test split's metrics (`eval.output`) are recorded on the version (`metric.*` tags, the review table, the
-model card) for reporting only: they never decide a promotion.
+The test split's metrics (`eval.output`) are recorded with the version for reporting only (they never decide a
+promotion): as its logged model's metrics on dataset `test` (and the run's), in the model card and the review
+table.
 A version that becomes champion loses the `challenger` alias and records the champion it replaced as tag
 `previous_champion`, which `rollback` restores. Every decision is written as version tags (`decision`,
-`reason`, `decided_by`, `decided_at`, and the gate's `gate_interval` and `gate`) and to `registry.report`.
+`decided_by`, `decided_at`, `reason`) and to `registry.report`; the gate's comparison as the tags
+`<split>_<metric>` (the challenger's primary metric on the gate split) and `gate_interval`, in full (JSON) on the
+logged model (tag `gate`) and in the model card.
+The version tags are only what a reviewer scans across versions in the MLflow UI's versions table (see the
+comment at `GATE_INTERVAL_TAG`); the rest is in the model card (the version's description) and on the logged
+model.
 All MLflow access goes through `xbn.tracking`.
 """
 
@@ -34,13 +40,13 @@ from xbn.tracking import (
     data_hash,
     file_digest,
     log_model,
-    metric_tags,
     params_hash,
     pipeline_run,
     run_summary,
     scores_of,
 )
-from xbn.tracking.registry import SERVED_TAG, log_refiner
+from xbn.tracking.registry import SERVED_TAG, SHA_TAG, log_refiner
+from xbn.tracking.runs import metric_key
 from xbn.tracking.services import mask_secrets
 from xbn.utils.io import write_json
 
@@ -50,7 +56,12 @@ GATE = "gate"  # `decided_by` of the automatic decisions
 KEY_PARAMS = ("data.dataset", "data.image_size", "model.backbone", "model.pretrained", "model.embedding_dim",
               "memory.method", "memory.size", "loss.name", "loss.memvir.enabled", "train.epochs",
               "train.warmup_epochs", "train.lr", "train.batch_size", "train.samples_per_class", "train.seed")
-GATE_TAG, GATE_INTERVAL_TAG = "gate", "gate_interval"  # the comparison as JSON, and as one line
+GATE_INTERVAL_TAG = "gate_interval"  # the comparison as one line
+# A version's tags are what a reviewer scans across versions in the MLflow UI's versions table, in the order it
+# lists them: `decision`, `decided_by`, the gate's result when compared (`val_recall_at_1`, `gate_interval`),
+# `data_hash`, `params_hash`, `model_sha256`, `served_embedding`, then `decided_at` and `reason`;
+# `previous_champion` is added when the version replaces a champion. Everything else is in the model card and
+# on the logged model (`Registry.record`). The set is pinned by tests/tracking/test_registry.py.
 
 
 def register(params: Params) -> dict:
@@ -75,10 +86,10 @@ def register(params: Params) -> dict:
                          f"(it has {', '.join(sorted(metrics))})")
     sha = file_digest(checkpoint)
     registry = Registry(params)
-    if existing := registry.find_by_tag("model_sha256", sha):
+    if existing := registry.find_by_tag(SHA_TAG, sha):
         return _write_report(params, registry, existing, compared=None, already_registered=True)
 
-    data = data_hash(params)
+    data = data_hash(params) or "unknown"
     gate = Gate(params, checkpoint)
     with pipeline_run(params, "register") as run:
         # The slow parts outside the lock: logging the model, embedding the val split with both models.
@@ -90,14 +101,20 @@ def register(params: Params) -> dict:
         # promote may have changed the champion (or registered this very file) since the check above; the
         # gate then compares with the new champion (else its comparison above is reused).
         with registry.lock():
-            if existing := registry.find_by_tag("model_sha256", sha):
+            if existing := registry.find_by_tag(SHA_TAG, sha):
                 return _write_report(params, registry, existing, compared=None, already_registered=True)
             champion = registry.by_alias(CHAMPION)
             decision = gate.decide(champion, registry)
-            # The decision goes in with the version, so no version is ever seen without one.
-            tags = {"data_hash": data or "unknown", "params_hash": params_hash(params), "model_sha256": sha,
-                    SERVED_TAG: served, **metric_tags(metrics), **_gate_tags(decision.comparison),
-                    **_stamp(decision.decision, decision.reason, GATE)}
+            comparison = decision.comparison
+            # The metrics and the comparison first, then the version with its decision: no version is ever
+            # seen without them. Under the keys evaluate logged them to the run: refined ones as `refined/...`.
+            registry.record(model_uri, run.run_id, metrics, params.eval.split, data,
+                            prefix="refined/" if served == "refined" else "",
+                            gate=comparison.as_dict() if comparison else None)
+            stamp = _stamp(decision.decision, decision.reason, GATE)
+            tags = {"decision": stamp.pop("decision"), "decided_by": stamp.pop("decided_by"),
+                    **_gate_tags(comparison), "data_hash": data, "params_hash": params_hash(params),
+                    SHA_TAG: sha, SERVED_TAG: served, **stamp}
             version = registry.create(model_uri, tags).version
             registry.set_alias(CHALLENGER, version)
             if decision.promote:
@@ -239,15 +256,14 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
 
 # -- helpers -----------------------------------------------------------------------------------------------
 def _gate_tags(comparison: Comparison | None) -> dict[str, str]:
+    """The gate's result as a reviewer scans it: the challenger's primary metric on the gate split (as tag
+    `val_recall_at_1`: MLflow keys cannot hold '@') and the interval in one line."""
     if comparison is None:
         return {}
-    return {GATE_INTERVAL_TAG: f"{comparison.interval()} vs champion v{comparison.champion_version}",
-            GATE_TAG: json.dumps(comparison.as_dict(), sort_keys=True)}
-
-
-def _gate_of(info: ModelVersionInfo) -> dict[str, Any] | None:
-    text = info.tags.get(GATE_TAG)
-    return json.loads(text) if text else None
+    c = comparison
+    value = c.challenger.get(c.metric)
+    primary = {} if value is None else {f"{c.split}_{metric_key(c.metric)}": f"{value:.4f}"}
+    return {**primary, GATE_INTERVAL_TAG: f"{c.interval()} vs champion v{c.champion_version}"}
 
 
 def _gate_section(comparison: Comparison | None, version: ModelVersionInfo, cfg: RegistryConfig) -> list[str]:
@@ -291,13 +307,13 @@ def _write_report(params: Params, registry: Registry, info: ModelVersionInfo,
         "decided_by": info.tags.get("decided_by"),
         "decided_at": info.tags.get("decided_at"),
         "metrics": info.metrics,  # the test split's, for reporting
-        "gate": _gate_of(info),
+        "gate": info.gate,
         "champion_version": champion.version if champion else None,
         "compared_with": {"version": compared.version, "metrics": compared.metrics} if compared else None,
         "previous_champion": int(previous) if previous else None,
         "data_hash": info.tags.get("data_hash"),
         "params_hash": info.tags.get("params_hash"),
-        "model_sha256": info.tags.get("model_sha256"),
+        "model_sha256": info.tags.get(SHA_TAG),
         "run_id": info.run_id,
         "already_registered": already_registered,
     }
@@ -311,8 +327,8 @@ def _required(cfg: RegistryConfig) -> str:
 
 
 def _stamp(decision: str, reason: str, who: str) -> dict[str, str]:
-    return {"decision": decision, "reason": reason, "decided_by": who,
-            "decided_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    return {"decision": decision, "decided_by": who,
+            "decided_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "reason": reason}
 
 
 def _user(user: str | None) -> str:

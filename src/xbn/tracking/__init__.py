@@ -7,7 +7,7 @@ Runs (`pipeline_run`, `epoch_logger`, `log_training`, `log_evaluation`, `log_mod
 
 from xbn.tracking.fingerprints import data_hash, file_digest, git_commit, params_hash
 from xbn.tracking.plots import plot_training, retrieval_grid, retrieval_grid_from_embeddings
-from xbn.tracking.registry import ModelVersionInfo, Registry, metric_tags
+from xbn.tracking.registry import ModelVersionInfo, Registry
 from xbn.tracking.runs import (
     PARENT_RUN_ENV,
     RETRIEVAL_GRID,
@@ -39,7 +39,6 @@ __all__ = [
     "log_evaluation",
     "log_model",
     "log_training",
-    "metric_tags",
     "params_hash",
     "pipeline_run",
     "plot_training",

@@ -2,10 +2,20 @@
 
 A thin service over `MlflowClient`: what to register and when to promote is decided by `xbn.stages.register`;
 this module only reads and writes the registry and hands back plain `ModelVersionInfo` records.
+
+Where a version's record lives. The version tags are the few a reviewer scans across versions in the MLflow UI's
+versions table (`xbn.stages.register` chooses them). What is read rather than scanned is recorded on the
+version's logged model (`models:/m-...`, MLflow 3), written by `Registry.record` before the version exists:
+the reported metrics as the model's metrics on the evaluated dataset (also in the run), and the promotion
+gate's comparison as the model's tag `gate`. Versions registered before this layout carry both as version
+tags (`metric.<key>`, `gate`); they are still read.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -15,6 +25,7 @@ from typing import Any
 import mlflow
 import mlflow.artifacts
 import mlflow.models
+from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.tracking import MlflowClient
@@ -25,7 +36,9 @@ from xbn.tracking.locks import DEFAULT_TIMEOUT_S, registry_lock
 from xbn.tracking.pyfunc import CHECKPOINT_ARTIFACT
 from xbn.tracking.runs import PipelineRun, configure, metric_key, metric_name
 
-METRIC_TAG_PREFIX = "metric."
+METRIC_TAG_PREFIX = "metric."  # versions registered before: a version tag per metric (read, not written)
+GATE_TAG = "gate"  # the gate's comparison as JSON: a tag of the logged model (of the version, before)
+_LOGGED_MODEL = re.compile(r"models:/(m-[0-9a-f]+)")
 _NOT_FOUND = ErrorCode.Name(RESOURCE_DOES_NOT_EXIST)
 
 
@@ -41,12 +54,9 @@ class ModelVersionInfo:
     aliases: tuple[str, ...] = ()
     tags: dict[str, str] = field(default_factory=dict)
     description: str = ""
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        """The metrics recorded as `metric.<key>` tags, under their own names (`recall@1`)."""
-        return {metric_name(k[len(METRIC_TAG_PREFIX):]): float(v) for k, v in self.tags.items()
-                if k.startswith(METRIC_TAG_PREFIX)}
+    # The reported metrics recorded at registration, under their own names (`recall@1`).
+    metrics: dict[str, float] = field(default_factory=dict)
+    gate: dict[str, Any] | None = None  # the promotion gate's comparison at registration (None: not compared)
 
 
 SERVED_TAG = "served_embedding"  # plain | refined (seed 001's context refiner on top of the embedder)
@@ -65,11 +75,6 @@ class RegisteredCheckpoint:
 def log_refiner(run: PipelineRun, path: str) -> None:
     """Log the context refiner (`refine.output`) as an artifact of the run, under `refiner/`."""
     MlflowClient(run.tracking_uri).log_artifact(run.run_id, str(path), "refiner")
-
-
-def metric_tags(metrics: Mapping[str, float]) -> dict[str, str]:
-    """`{"recall@1": 0.5}` -> `{"metric.recall_at_1": "0.5"}` (full float precision, so the gate is exact)."""
-    return {METRIC_TAG_PREFIX + metric_key(k): repr(float(v)) for k, v in metrics.items()}
 
 
 class Registry:
@@ -115,6 +120,23 @@ class Registry:
         # Search results leave the aliases out: read the version itself.
         return self.get(found[0].version) if found else None
 
+    def record(self, model_uri: str, run_id: str, metrics: Mapping[str, float], dataset: str, digest: str,
+               prefix: str = "", gate: Mapping[str, Any] | None = None) -> None:
+        """Record on the logged model `model_uri`, before it is registered, what its version reports but a
+        reviewer does not scan across versions: `metrics` (own names, `recall@1`) as the model's metrics on
+        dataset `dataset` with digest `digest` (MLflow logs them to run `run_id` too, as `prefix` + key: pass the
+        key the evaluate stage logs them under, so the run's values stay what they were), and the gate's
+        comparison `gate` as the model's tag `gate` (JSON). Recording again adds later values, which win."""
+        model_id = _model_id(model_uri)
+        if model_id is None:
+            raise ValueError(f"{model_uri} is not a logged model (models:/m-...)")
+        now = int(time.time() * 1000)
+        self.client.log_batch(run_id, metrics=[
+            Metric(prefix + metric_key(k), float(v), now, 0, model_id=model_id, dataset_name=dataset,
+                   dataset_digest=digest) for k, v in metrics.items()])
+        if gate is not None:
+            self.client.set_logged_model_tags(model_id, {GATE_TAG: json.dumps(dict(gate), sort_keys=True)})
+
     def create(self, model_uri: str, tags: Mapping[str, str]) -> ModelVersionInfo:
         """Register `model_uri` (a logged model) as the next version, with tags."""
         version = mlflow.register_model(model_uri, self.name, tags=dict(tags))
@@ -158,8 +180,41 @@ class Registry:
 
     def _info(self, mv) -> ModelVersionInfo:
         created = datetime.fromtimestamp(mv.creation_timestamp / 1000, tz=timezone.utc)
+        tags = dict(mv.tags or {})
+        metrics, gate = self._recorded(mv.model_id or _model_id(mv.source))
+        if not metrics:  # registered before: one version tag per metric
+            metrics = {metric_name(k[len(METRIC_TAG_PREFIX):]): float(v) for k, v in tags.items()
+                       if k.startswith(METRIC_TAG_PREFIX)}
+        if gate is None and tags.get(GATE_TAG):
+            gate = json.loads(tags[GATE_TAG])
         return ModelVersionInfo(
             name=mv.name, version=int(mv.version), run_id=mv.run_id or None,
             created_at=created.isoformat(timespec="seconds"), source=mv.source,
-            aliases=tuple(mv.aliases or ()), tags=dict(mv.tags or {}), description=mv.description or "",
+            aliases=tuple(mv.aliases or ()), tags=tags, description=mv.description or "",
+            metrics=metrics, gate=gate,
         )
+
+    def _recorded(self, model_id: str | None) -> tuple[dict[str, float], dict[str, Any] | None]:
+        """What `record` wrote on logged model `model_id`: the metrics (the latest value of each) and the gate.
+        Only metrics with a dataset count: MLflow also links the run's metrics of the moment to a model when it
+        is logged (training curves, `eval/...` counts), without one."""
+        if model_id is None:
+            return {}, None
+        try:
+            model = self.client.get_logged_model(model_id)
+        except MlflowException as exc:
+            if exc.error_code == _NOT_FOUND:
+                return {}, None
+            raise
+        metrics: dict[str, float] = {}
+        for m in sorted(model.metrics or (), key=lambda m: (m.step, m.timestamp)):
+            if m.dataset_name:
+                metrics[metric_name(m.key.rsplit("/", 1)[-1])] = m.value  # less the prefix (`refined/`)
+        text = (model.tags or {}).get(GATE_TAG)
+        return metrics, json.loads(text) if text else None
+
+
+def _model_id(uri: str | None) -> str | None:
+    """`models:/m-<hex>` (a logged model) -> `m-<hex>`; any other URI -> None."""
+    match = _LOGGED_MODEL.fullmatch(uri or "")
+    return match.group(1) if match else None
