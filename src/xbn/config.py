@@ -7,12 +7,15 @@ work starts (the CLI turns it into a non-zero exit).
 from __future__ import annotations
 
 import copy
+import math
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 DATASETS = ("glyphs", "cub", "cars196", "sop", "inshop", "deepfashion2", "folder", "csv")
 MEMORY_METHODS = ("none", "xbm", "xbn", "axbn", "ema", "axbn_auto")
@@ -24,7 +27,28 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: every float of the schema is finite (inf, nan and 1e400 are refused by key); the
+    # free-form mappings (loss.params, ...) are checked by `finite_values`.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+# What YAML 1.1 leaves a string although it is a number (`1e-3`, `1e400`: no dot), and the spellings of inf/nan.
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?\.?(inf|infinity|nan)", re.IGNORECASE)
+
+
+def finite_values(value: Any, where: str = "") -> Any:
+    """A free-form mapping's values with numbers that YAML left as strings read as numbers, refusing any
+    that is not finite (PydanticCustomError naming the entry)."""
+    if isinstance(value, dict):
+        return {k: finite_values(v, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_values(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        value = float(re.sub(r"\.(?=[a-zA-Z])", "", value.strip()))  # YAML's .inf/.nan: Python's inf/nan
+    if isinstance(value, float) and not math.isfinite(value):
+        raise PydanticCustomError("finite_number", "'{entry}' must be a finite number, not {value}",
+                                  {"entry": where, "value": value})
+    return value
 
 
 class GlyphsConfig(Section):
@@ -93,9 +117,11 @@ class KalmanConfig(Section):
     """AXBN's per-dimension Kalman filter, seed 000's values (Sec. 5.1, Algorithm 1): P0 = 1, Q = 1, R = r/|B|
     with r = 0.01, the gain recomputed every N = 100 iterations. Only r/q matters (given p0/q)."""
 
-    p0: float = Field(1.0, ge=0.0)
-    q: float = Field(1.0, gt=0.0)
-    r: float = Field(0.01, ge=0.0)
+    # At most 1e12: lambda = r/q still spans 24 decades (the gain is 0 or 1 long before), and P + Q stays far
+    # from overflowing.
+    p0: float = Field(1.0, ge=0.0, le=1e12)
+    q: float = Field(1.0, gt=0.0, le=1e12)
+    r: float = Field(0.01, ge=0.0, le=1e12)
     gain_interval: int = Field(100, ge=1)
 
 
@@ -152,8 +178,13 @@ class LossConfig(Section):
     rho: RhoConfig = RhoConfig()
     # lr of the loss's own class weights/proxies relative to train.lr (and train.warmup_lr): 100x in the
     # ProxyAnchor and MemVir code (1e-2 vs 1e-4).
-    lr_multiplier: float = Field(100.0, gt=0.0)
+    lr_multiplier: float = Field(100.0, gt=0.0, le=1e4)
     memvir: MemVirConfig = MemVirConfig()
+
+    @field_validator("params", "miner_params")
+    @classmethod
+    def _finite_params(cls, value: dict) -> dict:
+        return finite_values(value)
 
 
 class SamplerConfig(Section):
@@ -169,14 +200,15 @@ class SamplerConfig(Section):
 class TrainConfig(Section):
     epochs: int = Field(12, ge=0)
     warmup_epochs: int = Field(2, ge=0)
-    warmup_lr: float = Field(1e-3, gt=0.0)
-    lr: float = Field(1e-4, gt=0.0)
-    weight_decay: float = Field(1e-4, ge=0.0)
+    # An lr above 10 (or a decay above 1: it would flip the weights' sign each step) is a typo, not a schedule.
+    warmup_lr: float = Field(1e-3, gt=0.0, le=10.0)
+    lr: float = Field(1e-4, gt=0.0, le=10.0)
+    weight_decay: float = Field(1e-4, ge=0.0, le=1.0)
     # Seed 000 steps the lr every 15 of 50 epochs; scaled to the 12-epoch default: every 4 (x0.33 at 4 and 8).
     lr_step_epochs: int = Field(4, ge=1)
     lr_gamma: float = Field(0.33, gt=0.0, le=1.0)
     batch_size: int = Field(64, ge=2)
-    samples_per_class: int = Field(4, ge=1)
+    samples_per_class: int = Field(4, ge=2)  # 1: no positive pair in a batch, so a ranking loss has nothing
     seed: int = Field(0, ge=0)
     device: str = "auto"
     amp: bool = True
@@ -229,8 +261,8 @@ class RefineConfig(Section):
     blocks: int = Field(2, ge=1)  # T
     heads: int = Field(4, ge=1)  # must divide model.embedding_dim
     epochs: int = Field(20, ge=0)
-    lr: float = Field(1e-3, gt=0.0)
-    weight_decay: float = Field(1e-4, ge=0.0)
+    lr: float = Field(1e-3, gt=0.0, le=10.0)
+    weight_decay: float = Field(1e-4, ge=0.0, le=1.0)
     batch_size: int = Field(128, ge=2)
     samples_per_class: int = Field(4, ge=2)
     seed: int = Field(0, ge=0)
@@ -239,6 +271,11 @@ class RefineConfig(Section):
     serve: Literal["auto", "plain", "refined"] = "auto"
     output: str = "models/refiner.pt"
     metrics: str = "metrics/refine.json"
+
+    @field_validator("loss_params")
+    @classmethod
+    def _finite_params(cls, value: dict) -> dict:
+        return finite_values(value)
 
     @model_validator(mode="after")
     def _batch_divisible(self):
@@ -274,8 +311,8 @@ class RegistryConfig(Section):
     # A per-query metric (the bootstrap resamples queries): recall@k, map@r or r_precision.
     primary_metric: str = Field("recall@1", pattern=r"^(recall@[1-9][0-9]*|map@r|r_precision)$")
     # The lower bound of the primary metric's interval (challenger - champion) must exceed this.
-    min_improvement: float = Field(0.0, ge=0.0)
-    tolerance: float = Field(0.01, ge=0.0)  # how far a guarded metric may fall (on gate_split)
+    min_improvement: float = Field(0.0, ge=0.0, le=1.0)  # metrics and their differences lie in [0, 1]
+    tolerance: float = Field(0.01, ge=0.0, le=1.0)  # how far a guarded metric may fall (on gate_split)
     guarded_metrics: list[str] = ["recall@10", "map@r", "r_precision", "nmi"]
     gate_split: Literal["val"] = "val"  # the split promotion is decided on; the test split only reports
     bootstrap_resamples: int = Field(1000, ge=1000)
@@ -371,6 +408,8 @@ class TuneConfig(Section):
                 "a categorical dimension needs non-empty 'choices' and no low/high"
         if dim.low is None or dim.high is None or dim.low > dim.high or dim.choices is not None:
             return f"a {dim.type} dimension needs low <= high and no 'choices'"
+        if dim.step is not None and dim.step <= 0:
+            return "step must be above 0"
         if dim.log and (dim.low <= 0 or dim.step is not None):
             return "a log dimension needs low > 0 and no step"
         if dim.type == "int" and not all(float(v).is_integer() for v in (dim.low, dim.high, dim.step or 1)):

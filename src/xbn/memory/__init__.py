@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 from pytorch_metric_learning.losses import GenericPairLoss
@@ -15,8 +17,8 @@ from xbn.losses.rho import RhoRegularizedMiner
 from xbn.memory.cross_batch import AdaptiveCrossBatchMemory
 from xbn.memory.moments import AdaptiveKalmanMoments, BatchMoments, EMAMoments, KalmanMoments
 
-__all__ = ["AdaptiveCrossBatchMemory", "Criterion", "build_criterion", "build_moments", "build_mpn_loss",
-           "memory_rows", "memory_start_iteration"]
+__all__ = ["AdaptiveCrossBatchMemory", "Criterion", "available_memory", "build_criterion", "build_moments",
+           "build_mpn_loss", "check_memory_fits", "memory_rows", "memory_start_iteration"]
 
 
 def build_moments(params: Params) -> nn.Module | None:
@@ -37,6 +39,38 @@ def memory_rows(size: float, num_train_images: int, batch_size: int) -> int:
     """`memory.size` <= 1 is a fraction of the training set, above 1 a row count; never below one batch."""
     rows = round(size * num_train_images) if size <= 1 else int(size)
     return max(rows, batch_size)
+
+
+def available_memory() -> int:
+    """Bytes this machine can allocate now without swapping: MemAvailable (free + reclaimable cache), or the
+    free pages where /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory_fits(size: float, rows: int, embedding_dim: int, num_train_images: int) -> None:
+    """Refuse (ConfigError naming memory.size) a memory whose float32 rows and int64 labels would not fit in
+    the available memory, before anything is allocated (it is built in host memory first)."""
+    need, have = rows * (embedding_dim * 4 + 8), available_memory()
+    if need > have:
+        raise ConfigError(
+            f"memory.size={size:g} gives {rows} rows x {embedding_dim} dims x 4 bytes (+ 8 for each label) = "
+            f"{_bytes(need)}, more than the {_bytes(have)} of memory available: lower memory.size (<= 1 is a "
+            f"fraction of the {num_train_images} training images, above 1 a row count)")
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
 
 
 class Criterion(nn.Module):
@@ -147,6 +181,7 @@ def build_criterion(params: Params, num_train_images: int, train_labels=None,
     memory = None
     if params.memory.method != "none":
         rows = memory_rows(params.memory.size, num_train_images, params.train.batch_size)
+        check_memory_fits(params.memory.size, rows, params.model.embedding_dim, num_train_images)
         memory = AdaptiveCrossBatchMemory(loss, params.model.embedding_dim, rows, miner=miner,
                                           moments=build_moments(params))
     return Criterion(loss, miner, memory, memory_start_iteration(params, steps), params.memory.add_batch_loss,
