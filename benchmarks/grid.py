@@ -48,7 +48,10 @@ METHODS: dict[str, list[str]] = {
     "axbn": ["memory.method=axbn"],  # seed 000's p0 = 1, q = 1, r = 0.01, N = 100 (the shipped values)
     "ema": ["memory.method=ema"],  # m = 0.1, the paper's convention and best value (shipped)
     "axbn_auto": ["memory.method=axbn_auto"],
+    # The memory size `xbn tune` preferred on the glyphs' validation split (docs/tuning.md: about 0.07).
+    "xbn_small": ["memory.method=xbn", "memory.size=0.1"],
 }
+GRID_METHODS = ("none", "xbm", "xbm*", "xbn", "axbn", "ema", "axbn_auto")  # the issue's grid
 # The memory methods the shipped default is chosen from (issue 13: on validation R@1, mean over seeds).
 DEFAULT_CANDIDATES = ("xbn", "axbn", "axbn_auto")
 
@@ -122,7 +125,7 @@ def _counts(frame) -> dict[str, dict[str, int]]:
 
 def run_overrides(data: list[str], method: str, batch: int, seed: int, run_dir: Path) -> list[str]:
     return [
-        *data, *METHODS[method], "memory.size=1.0",
+        *data, "memory.size=1.0", *METHODS[method],
         f"train.batch_size={batch}", f"train.seed={seed}", "train.device=cpu",
         f"train.checkpoint_dir={run_dir / 'models'}", f"train.metrics_dir={run_dir / 'metrics'}",
         "train.log_every=1000", "data.num_workers=0",
@@ -219,7 +222,7 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--datasets", nargs="+", choices=list(DATASETS), default=["glyphs", "omniglot"])
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(GRID_METHODS))
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--workers", type=int, default=2, help="runs in parallel (processes)")
@@ -244,6 +247,9 @@ def main(argv: list[str]) -> int:
     result: dict[str, Any] = {
         "benchmark": "memory methods x batch size x seed, test R@1 and MAP@R",
         "command": "python -m benchmarks grid " + " ".join(argv),
+        # Every command that added runs to this file (--resume keeps the earlier runs).
+        "commands": [*old.get("commands", [old["command"]] if "command" in old else []),
+                     "python -m benchmarks grid " + " ".join(argv)],
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(PACKAGES),
         "settings": {**{k: getattr(args, k) for k in ("datasets", "methods", "batches", "seeds", "workers",

@@ -349,20 +349,21 @@ def promise_section(data: dict[str, Any]) -> str:
     methods = [r["method"] for r in table if r["method"] != "none"]
     if info is None or not methods or "none" not in {r["method"] for r in table}:
         return "\n".join(out + ["Not measured: the results hold no pair of runs with and without a memory.", ""])
-    method, batch = methods[0], table[0]["batch"]
-    d = paired_difference(data["runs"], "default", batch, method, "none")
+    batch = table[0]["batch"]
     splits = info["splits"]
     out += [f"What `make run` trains (params.yaml as shipped: {info['spec']['classes']} glyph classes at "
             f"{info['spec']['image_size']} px, train {splits['train']['classes']} classes, val "
-            f"{splits['val']['classes']}, test {splits['test']['classes']}), with memory.method = {method} and with "
-            "`none`, the same seeds.", "", render(data, "default"), ""]
-    if d is None:
-        out.append("Fewer than 2 paired seeds: no verdict.")
-    else:
-        met = d["mean"] >= PROMISE_MARGIN
+            f"{splits['val']['classes']}, test {splits['test']['classes']}), with a memory and with `none`, the "
+            "same seeds.", "", render(data, "default"), ""]
+    for method in methods:
+        d = paired_difference(data["runs"], "default", batch, method, "none")
+        if d is None:
+            out.append(f"- {method}: fewer than 2 paired seeds, no verdict.")
+            continue
         counts = "excludes 0" if d["low"] > 0 else "contains 0"
-        out.append(f"Test R@1 of {method} minus none, paired over {d['seeds']} seeds: {_interval(d)} (95% interval, "
-                   f"which {counts}). Target (mean difference >= +{PROMISE_MARGIN}): {_verdict(met)}.")
+        out.append(f"- {method} minus none, test R@1 paired over {d['seeds']} seeds: {_interval(d)} (95% interval, "
+                   f"which {counts}). Target (mean difference >= +{PROMISE_MARGIN}): "
+                   f"{_verdict(d['mean'] >= PROMISE_MARGIN)}.")
     return "\n".join(out + [""])
 
 
