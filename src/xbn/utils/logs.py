@@ -28,9 +28,11 @@ def configure_logging(verbose: bool = False, prefix: str = "", level: int = logg
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "true" if verbose else "false")
     root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
+    for handler in list(root.handlers):  # ours from an earlier call; others' (e.g. pytest's capture) stay
+        if getattr(handler, "xbn_console", False):
+            root.removeHandler(handler)
     handler = logging.StreamHandler()
+    handler.xbn_console = True
     handler.setFormatter(_ConsoleFormatter(verbose, prefix))
     root.addHandler(handler)
     root.setLevel(logging.INFO if verbose else logging.WARNING)
