@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from xbn.config import ConfigError, RegistryConfig, load_params
-from xbn.stages.gate import SplitScores, compare, decide
+from xbn.stages.gate import Comparison, SplitScores, compare, decide
 
 from tests_support import ROOT
 
@@ -107,3 +107,10 @@ def test_the_gate_never_runs_on_the_test_split_and_needs_enough_resamples():
     with pytest.raises(ConfigError, match="registry.primary_metric"):
         load_params(ROOT / "params.yaml", ["registry.primary_metric=nmi"])  # not a per-query metric
     assert load_params(ROOT / "params.yaml").registry.gate_split == "val"
+
+
+def test_a_recorded_comparison_reads_back_as_the_same_comparison():
+    comparison = compare(scores(hits(40, 30), nmi=0.5), scores(hits(40, 20)), 4, RegistryConfig())
+    assert Comparison.from_dict(comparison.as_dict()) == comparison
+    assert comparison.short() == (f"{comparison.difference:+.4f} [{comparison.low:+.4f}, "
+                                  f"{comparison.high:+.4f}] vs v4")

@@ -16,12 +16,12 @@ from xbn.tracking import Registry, log_evaluation, log_model, pipeline_run
 
 from .helpers import METRICS, VAL_QUERIES, run_pipeline, write_eval, write_manifest, write_model
 
-# A version's tags: what a reviewer scans across versions in the MLflow UI's versions table, where every tag is a
-# line of each version's row. Everything else belongs in the model card or on the logged model
+# A version's tags: what a reviewer scans across versions in the MLflow UI's versions table, where every tag
+# is a line of each version's row. Everything else belongs in the model card or on the logged model
 # (`Registry.record`): a tag added here must be worth a line in every row.
 FIRST_MODEL_TAGS = {"decision", "decided_by", "data_hash", "params_hash", "model_sha256", "served_embedding",
                     "decided_at", "reason"}
-COMPARED_TAGS = FIRST_MODEL_TAGS | {"val_recall_at_1", "gate_interval"}  # + previous_champion if it replaced one
+COMPARED_TAGS = FIRST_MODEL_TAGS | {"val_recall_at_1", "gate_interval"}  # + previous_champion: it replaced
 
 
 def versions(params) -> dict[int, dict]:
@@ -34,6 +34,12 @@ def interval(gate: dict) -> str:
     """The gate's one-line statement of a comparison, as the reason, the tag and the review quote it."""
     return (f"{gate['metric']} on {gate['split']} {gate['difference']:+.4f} [{gate['low']:+.4f}, "
             f"{gate['high']:+.4f}] (95% paired bootstrap, 1000 resamples, {gate['queries']} queries)")
+
+
+def short(gate: dict) -> str:
+    """The same comparison as the `gate_interval` tag states it, for a narrow cell of the versions table."""
+    return (f"{gate['difference']:+.4f} [{gate['low']:+.4f}, {gate['high']:+.4f}] "
+            f"vs v{gate['champion_version']}")
 
 
 def alias(params, name: str) -> int | None:
@@ -85,7 +91,7 @@ def test_the_gate_promotes_a_better_model_and_rejects_a_worse_one_on_val_not_on_
     v3 = versions(params)[3]
     assert v3.tags["decision"] == "rejected" and v3.tags["reason"] == worse["reason"]
     assert v3.tags["decided_by"] == "gate" and v3.tags["decided_at"]
-    assert v3.tags["gate_interval"] == f"{interval(worse['gate'])} vs champion v2"
+    assert v3.tags["gate_interval"] == short(worse["gate"]) and v3.tags["gate_interval"].endswith("vs v2")
     report = json.loads(Path(params.registry.report).read_text())
     assert (report["decision"], report["champion_version"]) == ("rejected", 2)
     assert report["metrics"]["recall@1"] == 0.90  # the test split's, reported
@@ -97,7 +103,7 @@ def test_the_gate_promotes_a_better_model_and_rejects_a_worse_one_on_val_not_on_
     assert "champion v2" in lines[""] and "challenger v3" in lines[""]
     assert "0.1000" in lines["recall@1 *"] and "0.9000 (+0.8000)" in lines["recall@1 *"]
     assert "promoted" in lines["decision"] and "rejected" in lines["decision"]
-    assert f"challenger v3 gate: {v3.tags['gate_interval']}" in text
+    assert f"challenger v3 gate: {interval(worse['gate'])} vs champion v2" in text
     assert f"champion v2 gate: {interval(gate)} vs champion v1" in text
     assert "challenger v3 reason: recall@1 on val" in text
 
@@ -116,7 +122,7 @@ def test_register_twice_shows_the_interval_in_report_review_and_model_card(param
         "split": "val", "metric": "recall@1", "difference": 0.0, "low": 0.0, "high": 0.0, "resamples": 1000,
         "queries": VAL_QUERIES, "confidence": 0.95, "seed": 0}
     v2 = versions(params)[2]
-    assert v2.tags["gate_interval"] == f"{interval} vs champion v1"
+    assert v2.tags["gate_interval"] == "+0.0000 [+0.0000, +0.0000] vs v1"
     card = v2.description
     assert "## Promotion gate" in card and f"{interval} vs champion v1" in card
     assert "| recall@1 * | 1.0000 | 1.0000 | +0.0000 |" in card  # on val, both models
@@ -183,13 +189,14 @@ def test_a_version_carries_only_the_tags_a_reviewer_scans_and_the_rest_reads_bac
     assert set(found[1].tags) == FIRST_MODEL_TAGS
     assert set(found[2].tags) == COMPARED_TAGS | {"previous_champion"}
     assert set(found[3].tags) == COMPARED_TAGS
-    assert found[2].tags["val_recall_at_1"] == "1.0000"  # the challenger's R@1 on val, as the gate measured it
+    assert found[2].tags["val_recall_at_1"] == "1.0000"  # the challenger's R@1 on val, as the gate measured
     assert found[3].tags["val_recall_at_1"] == f"{worse['gate']['challenger_metrics']['recall@1']:.4f}"
 
     # The test metrics and the gate's comparison are on the version's logged model, at full precision.
     v2 = Registry(params).get(2)
     assert v2.metrics == {**METRICS, "recall@1": 0.1 + 0.2, "map@r": 1 / 3}
-    assert v2.gate == better["gate"] and v2.gate["champion_version"] == 1 and Registry(params).get(1).gate is None
+    assert v2.gate == better["gate"] and v2.gate["champion_version"] == 1
+    assert Registry(params).get(1).gate is None
     client = MlflowClient(params.tracking.uri)
     model = client.get_logged_model(v2.source.removeprefix("models:/"))
     recorded = {m.key: (m.value, m.dataset_name, m.dataset_digest) for m in model.metrics if m.dataset_name}
@@ -213,7 +220,7 @@ def test_served_refined_metrics_are_recorded_without_changing_the_runs_plain_one
     Path(params.refine.output).parent.mkdir(parents=True, exist_ok=True)
     Path(params.refine.output).write_bytes(b"refiner")
     with pipeline_run(params, "train", new=True) as run:
-        log_evaluation(params, run)  # as the evaluate stage: plain as recall_at_1, refined as refined/recall_at_1
+        log_evaluation(params, run)  # as evaluate does: plain as recall_at_1, refined as refined/recall_at_1
     report = register(params)
     assert report["metrics"] == {**plain, "recall@1": 0.7}
     v1 = versions(params)[1]
@@ -228,11 +235,16 @@ def test_versions_registered_with_metric_tags_are_still_read(params):
     write_model(params, seed=0)
     with pipeline_run(params, "train", new=True) as run:
         uri = log_model(params, run)
-    gate = {"split": "val", "metric": "recall@1", "champion_version": 1, "difference": 0.25}
+    gate = {"split": "val", "metric": "recall@1", "champion_version": 1, "difference": 0.25, "low": 0.125,
+            "high": 0.375, "confidence": 0.95, "resamples": 1000, "seed": 0, "queries": 32,
+            "challenger_metrics": {"recall@1": 0.75}, "champion_metrics": {"recall@1": 0.5}}
     registry = Registry(params)
     info = registry.create(uri, {"metric.recall_at_1": repr(0.1 + 0.2), "metric.map_at_r": repr(1 / 3),
-                                 "gate": json.dumps(gate), "decision": "promoted"})
+                                 "gate": json.dumps(gate), "gate_interval": f"{interval(gate)} vs champion v1",
+                                 "decision": "promoted"})
     assert info.metrics == {"recall@1": 0.1 + 0.2, "map@r": 1 / 3} and info.gate == gate
     registry.set_alias("champion", info.version)
-    lines = {line.split("  ")[0]: line for line in review(params).splitlines()}
+    text = review(params)
+    lines = {line.split("  ")[0]: line for line in text.splitlines()}
     assert "0.3000" in lines["recall@1 *"] and "0.3333" in lines["map@r +"]
+    assert f"champion v1 gate: {interval(gate)} vs champion v1" in text

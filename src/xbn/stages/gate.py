@@ -79,12 +79,25 @@ class Comparison:
                 f"{_signed(self.high)}] ({self.confidence * 100:g}% paired bootstrap, {self.resamples} "
                 f"resamples, {self.queries} queries)")
 
+    def short(self) -> str:
+        """`+0.0120 [-0.0040, +0.0290] vs v2`: the difference and its interval, for a narrow table cell."""
+        return (f"{_signed(self.difference)} [{_signed(self.low)}, {_signed(self.high)}] vs "
+                f"v{self.champion_version}")
+
     def as_dict(self) -> dict[str, Any]:
         return {"split": self.split, "metric": self.metric, "champion_version": self.champion_version,
                 "difference": self.difference, "low": self.low, "high": self.high,
                 "confidence": self.confidence, "resamples": self.resamples, "seed": self.seed,
                 "queries": self.queries, "challenger_metrics": self.challenger,
                 "champion_metrics": self.champion}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Comparison:
+        """The inverse of `as_dict` (a comparison recorded with a registered version)."""
+        fields = {k: data[k] for k in ("split", "metric", "champion_version", "difference", "low", "high",
+                                       "confidence", "resamples", "seed", "queries")}
+        return cls(**fields, challenger=dict(data["challenger_metrics"]),
+                   champion=dict(data["champion_metrics"]))
 
 
 @dataclass(frozen=True)

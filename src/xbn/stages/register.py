@@ -12,8 +12,8 @@ table.
 A version that becomes champion loses the `challenger` alias and records the champion it replaced as tag
 `previous_champion`, which `rollback` restores. Every decision is written as version tags (`decision`,
 `decided_by`, `decided_at`, `reason`) and to `registry.report`; the gate's comparison as the tags
-`<split>_<metric>` (the challenger's primary metric on the gate split) and `gate_interval`, in full (JSON) on the
-logged model (tag `gate`) and in the model card.
+`<split>_<metric>` (the challenger's primary metric on the gate split) and `gate_interval` (the interval in
+short), in full (JSON) on the logged model (tag `gate`) and in the model card.
 The version tags are only what a reviewer scans across versions in the MLflow UI's versions table (see the
 comment at `GATE_INTERVAL_TAG`); the rest is in the model card (the version's description) and on the logged
 model.
@@ -56,12 +56,12 @@ GATE = "gate"  # `decided_by` of the automatic decisions
 KEY_PARAMS = ("data.dataset", "data.image_size", "model.backbone", "model.pretrained", "model.embedding_dim",
               "memory.method", "memory.size", "loss.name", "loss.memvir.enabled", "train.epochs",
               "train.warmup_epochs", "train.lr", "train.batch_size", "train.samples_per_class", "train.seed")
-GATE_INTERVAL_TAG = "gate_interval"  # the comparison as one line
-# A version's tags are what a reviewer scans across versions in the MLflow UI's versions table, in the order it
-# lists them: `decision`, `decided_by`, the gate's result when compared (`val_recall_at_1`, `gate_interval`),
-# `data_hash`, `params_hash`, `model_sha256`, `served_embedding`, then `decided_at` and `reason`;
-# `previous_champion` is added when the version replaces a champion. Everything else is in the model card and
-# on the logged model (`Registry.record`). The set is pinned by tests/tracking/test_registry.py.
+GATE_INTERVAL_TAG = "gate_interval"  # the comparison in short: `+0.0120 [-0.0040, +0.0290] vs v2`
+# A version's tags are what a reviewer scans across versions in the MLflow UI's versions table, in the order
+# it lists them: `decision`, `decided_by`, the gate's result when compared (`val_recall_at_1`,
+# `gate_interval`), `data_hash`, `params_hash`, `model_sha256`, `served_embedding`, then `decided_at` and
+# `reason`; `previous_champion` is added when the version replaces a champion. Everything else is in the model
+# card and on the logged model (`Registry.record`). The set is pinned by tests/tracking/test_registry.py.
 
 
 def register(params: Params) -> dict:
@@ -107,7 +107,7 @@ def register(params: Params) -> dict:
             decision = gate.decide(champion, registry)
             comparison = decision.comparison
             # The metrics and the comparison first, then the version with its decision: no version is ever
-            # seen without them. Under the keys evaluate logged them to the run: refined ones as `refined/...`.
+            # seen without them. Under the keys evaluate logged them to the run (refined: `refined/...`).
             registry.record(model_uri, run.run_id, metrics, params.eval.split, data,
                             prefix="refined/" if served == "refined" else "",
                             gate=comparison.as_dict() if comparison else None)
@@ -199,8 +199,8 @@ def review(params: Params) -> str:
                  f"{cfg.gate_split}: * primary metric, {_required(cfg)}; + guarded, may fall by at most "
                  f"{cfg.tolerance:g} on {cfg.gate_split}")
     for title, info in columns:
-        if info is not None and info.tags.get(GATE_INTERVAL_TAG):
-            lines.append(f"{title} v{info.version} gate: {info.tags[GATE_INTERVAL_TAG]}")
+        if info is not None and (gate := _gate_line(info)):
+            lines.append(f"{title} v{info.version} gate: {gate}")
     for title, info in columns:
         if info is not None and info.tags.get("reason"):
             lines.append(f"{title} v{info.version} reason: {info.tags['reason']}")
@@ -256,14 +256,24 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
 
 # -- helpers -----------------------------------------------------------------------------------------------
 def _gate_tags(comparison: Comparison | None) -> dict[str, str]:
-    """The gate's result as a reviewer scans it: the challenger's primary metric on the gate split (as tag
-    `val_recall_at_1`: MLflow keys cannot hold '@') and the interval in one line."""
+    """The gate's result as a reviewer scans it in a narrow table cell: the challenger's primary metric on the
+    gate split (tag `val_recall_at_1`: MLflow keys cannot hold '@') and the interval, numbers first. The full
+    statement is in the model card, the reason and `review`."""
     if comparison is None:
         return {}
     c = comparison
     value = c.challenger.get(c.metric)
     primary = {} if value is None else {f"{c.split}_{metric_key(c.metric)}": f"{value:.4f}"}
-    return {**primary, GATE_INTERVAL_TAG: f"{c.interval()} vs champion v{c.champion_version}"}
+    return {**primary, GATE_INTERVAL_TAG: c.short()}
+
+
+def _gate_line(info: ModelVersionInfo) -> str | None:
+    """The gate's full statement about `info` (from its recorded comparison; the tag of a version registered
+    when the tag held the full statement)."""
+    if info.gate is None:
+        return info.tags.get(GATE_INTERVAL_TAG)
+    c = Comparison.from_dict(info.gate)
+    return f"{c.interval()} vs champion v{c.champion_version}"
 
 
 def _gate_section(comparison: Comparison | None, version: ModelVersionInfo, cfg: RegistryConfig) -> list[str]:

@@ -3,8 +3,8 @@
 A thin service over `MlflowClient`: what to register and when to promote is decided by `xbn.stages.register`;
 this module only reads and writes the registry and hands back plain `ModelVersionInfo` records.
 
-Where a version's record lives. The version tags are the few a reviewer scans across versions in the MLflow UI's
-versions table (`xbn.stages.register` chooses them). What is read rather than scanned is recorded on the
+Where a version's record lives. The version tags are the few a reviewer scans across versions in the MLflow
+UI's versions table (`xbn.stages.register` chooses them). What is read rather than scanned is recorded on the
 version's logged model (`models:/m-...`, MLflow 3), written by `Registry.record` before the version exists:
 the reported metrics as the model's metrics on the evaluated dataset (also in the run), and the promotion
 gate's comparison as the model's tag `gate`. Versions registered before this layout carry both as version
@@ -124,9 +124,10 @@ class Registry:
                prefix: str = "", gate: Mapping[str, Any] | None = None) -> None:
         """Record on the logged model `model_uri`, before it is registered, what its version reports but a
         reviewer does not scan across versions: `metrics` (own names, `recall@1`) as the model's metrics on
-        dataset `dataset` with digest `digest` (MLflow logs them to run `run_id` too, as `prefix` + key: pass the
-        key the evaluate stage logs them under, so the run's values stay what they were), and the gate's
-        comparison `gate` as the model's tag `gate` (JSON). Recording again adds later values, which win."""
+        dataset `dataset` with digest `digest` (MLflow logs them to run `run_id` too, as `prefix` + key:
+        pass the prefix the evaluate stage logs them under, so the run's values stay what they were), and the
+        gate's comparison `gate` as the model's tag `gate` (JSON). Recording again adds later values, which
+        win."""
         model_id = _model_id(model_uri)
         if model_id is None:
             raise ValueError(f"{model_uri} is not a logged model (models:/m-...)")
@@ -195,9 +196,9 @@ class Registry:
         )
 
     def _recorded(self, model_id: str | None) -> tuple[dict[str, float], dict[str, Any] | None]:
-        """What `record` wrote on logged model `model_id`: the metrics (the latest value of each) and the gate.
-        Only metrics with a dataset count: MLflow also links the run's metrics of the moment to a model when it
-        is logged (training curves, `eval/...` counts), without one."""
+        """What `record` wrote on logged model `model_id`: the metrics (the latest value of each) and the
+        gate. Only metrics with a dataset count: MLflow also links the run's metrics of the moment to a model
+        when it is logged (training curves, `eval/...` counts), without one."""
         if model_id is None:
             return {}, None
         try:
