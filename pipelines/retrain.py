@@ -1,4 +1,4 @@
-"""The scheduled retraining flow: validate -> train -> refine -> evaluate -> register/promote.
+"""The scheduled retraining flow: validate -> [tune] -> train -> refine -> evaluate -> register/promote.
 
 Every task calls one function of `xbn.stages`; no stage logic lives here. Transient failures (a service that
 blinked, a killed worker) are retried, and a retried `train` resumes from its last checkpoint; bad data and bad
@@ -6,7 +6,14 @@ config are not retried, since a retry cannot fix them. A retried `train` resumes
 run wrote (`models/last.pt` records it): one left by another run (`make run`, an earlier flow run, other params)
 is trained over from scratch.
 
+With tuning on (`--tune`, the flow parameter `tune`, or `tune.enabled` in the params, which the deployment sets),
+the Optuna study of `xbn tune` runs after validation and the model is trained with its best trial's values. The
+study is persistent and named by the params its trials depend on, so next week's run continues it (or reuses
+it, once it has `tune.trials`) instead of starting over. The tuned values go to the run (MLflow params, and tags
+`tuned_study`, `tuned_values`) and to the summary; params.yaml is not changed (`xbn tune --apply` does that).
+
     python -m pipelines.retrain                 # one run now (ephemeral Prefect server unless PREFECT_API_URL)
+    python -m pipelines.retrain --tune          # validate, tune, train with the best values, evaluate, register
     python -m pipelines.retrain --serve         # serve the weekly schedule from this process
     prefect deploy --all                        # or deploy prefect.yaml to a `process` work pool
 """
@@ -109,55 +116,65 @@ def register_model(params: Params) -> dict:
     return register(params)
 
 
-def summary_markdown(params: Params, metrics: dict, decision: dict) -> str:
-    champion = decision.get("champion_metrics") or {}
-    rows = ["| metric | this run | champion |", "|---|---|---|"]
-    for key in [f"recall@{k}" for k in params.eval.k] + ["map@r", "r_precision", "nmi"]:
-        if key in metrics:
-            theirs = champion.get(key)
-            rows.append(f"| {key} | {metrics[key]:.4f} | {'' if theirs is None else f'{theirs:.4f}'} |")
-    lines = [
-        f"# Retrain: `{params.registry.model_name}` version {decision.get('version')}",
-        f"**Decision:** {decision.get('decision')} — {decision.get('reason')}",
-        "",
-        *rows,
-        "",
-        f"Memory `{params.memory.method}`, dataset `{params.data.dataset}`.",
-    ]
-    if decision.get("run_url"):
-        lines.append(f"[MLflow run]({decision['run_url']})")
-    return "\n".join(lines)
+@task(**TASK_OPTIONS)
+def tune_study(params: Params) -> dict:
+    from xbn.stages.tune import tune
+
+    return tune(params)  # a retry continues the same persistent study
 
 
 @flow(name="xbn-retrain", log_prints=True)
-def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None) -> dict:
+def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None,
+            tune: bool | None = None) -> dict:
+    """`tune`: run the study first (None: as `tune.enabled` says)."""
+    overrides = list(overrides or [])
     params = load_params(params_path, overrides)
     if params.tracking.enabled:
-        # One MLflow run per flow run: every stage task joins it through the environment.
-        from xbn.tracking import PARENT_RUN_ENV, pipeline_run, tracking_uri
+        from xbn.tracking import tracking_uri
         from xbn.tracking.services import check_reachable
 
         check_reachable(tracking_uri(params))  # a store that is down fails the flow now, not after training
-
-        with pipeline_run(params, "retrain", new=True) as run:
-            os.environ[PARENT_RUN_ENV] = run.run_id
-        try:
-            return _run_stages(params)
-        finally:
-            os.environ.pop(PARENT_RUN_ENV, None)
-    return _run_stages(params)
-
-
-def _run_stages(params: Params) -> dict:
     prepare_data(params)
     validate_data(params)
+    tuned: dict = {}
+    if params.tune.enabled if tune is None else tune:
+        from xbn.tuning import as_overrides, tuned_values
+
+        study = tune_study(params)
+        tuned = {"study": study["study"], "values": tuned_values(study)}
+        params = load_params(params_path, [*overrides, *as_overrides(tuned["values"])])
+        get_run_logger().info("study %s: training with %s", tuned["study"], tuned["values"])
+    if not params.tracking.enabled:
+        return _train_to_registry(params, tuned)
+    # One MLflow run per flow run, opened with the params the model trains with: every stage task joins it
+    # through the environment.
+    import json
+
+    from xbn.tracking import PARENT_RUN_ENV, pipeline_run
+
+    tags = {"tuned_study": tuned["study"], "tuned_values": json.dumps(tuned["values"])} if tuned else {}
+    with pipeline_run(params, "retrain", tags=tags, new=True) as run:
+        os.environ[PARENT_RUN_ENV] = run.run_id
+    try:
+        return _train_to_registry(params, tuned)
+    finally:
+        os.environ.pop(PARENT_RUN_ENV, None)
+
+
+def _train_to_registry(params: Params, tuned: dict) -> dict:
+    from xbn.stages.summary import summary_markdown
+
     train_model(params)
     refine_embeddings(params)
     metrics = evaluate_model(params)
     decision = register_model(params)
-    create_markdown_artifact(markdown=summary_markdown(params, metrics, decision), key="xbn-retrain-summary",
-                             description="metrics vs champion and the promotion decision")
-    return {"metrics": metrics, "decision": decision}
+    markdown = summary_markdown(params)
+    if tuned:
+        markdown += f"\n\nTuned by study `{tuned['study']}`: " + ", ".join(
+            f"`{k}` = {v:.4g}" if isinstance(v, float) else f"`{k}` = {v}" for k, v in tuned["values"].items())
+    create_markdown_artifact(markdown=markdown, key="xbn-retrain-summary",
+                             description="what this retraining did: data, memory, metrics, registry decision")
+    return {"metrics": metrics, "decision": decision, "tuned": tuned}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,13 +183,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--serve", action="store_true", help="serve the schedule instead of running once")
     parser.add_argument("--cron", default=DEFAULT_CRON)
+    parser.add_argument("--tune", action="store_true", default=None,
+                        help="run the Optuna study first and train with its best values (default: tune.enabled)")
     args = parser.parse_args(argv)
     if args.serve:
         # limit=1: at most one retraining at a time from this process.
         retrain.serve(name="xbn-weekly-retrain", cron=args.cron, limit=1,
-                      parameters={"params_path": args.params, "overrides": args.overrides})
+                      parameters={"params_path": args.params, "overrides": args.overrides, "tune": args.tune})
     else:
-        retrain(args.params, args.overrides)
+        retrain(args.params, args.overrides, args.tune)
 
 
 if __name__ == "__main__":

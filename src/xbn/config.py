@@ -362,6 +362,9 @@ class TuneConfig(Section):
     # `memory.kalman.r/q` entry, or the range its r and q entries span) and run it as q = 1, r = lambda,
     # p0 = p0/q (the same filter, one dimension fewer).
     lambda_mode: bool = True
+    # The retrain flow runs the study after validation and trains with its best values (the deployment sets
+    # it); `xbn tune` and the tune stage run it whatever this says.
+    enabled: bool = False
     trials: int = Field(20, ge=1)  # finished trials of the study (complete, pruned or failed), across workers
     timeout_s: float | None = Field(None, gt=0)  # no new trial starts after this
     epochs: int = Field(6, ge=1)  # train.epochs of each trial (after train.warmup_epochs)

@@ -43,6 +43,40 @@ def test_retrain_flow_registers_then_gate_holds_back_a_challenger(prefect_harnes
     assert report["version"] == second["decision"]["version"] and "improvement" in report["reason"]
 
 
+def test_the_flow_tunes_then_trains_with_the_best_trial_and_continues_the_study(prefect_harness, tmp_path,
+                                                                                 glyph_root, monkeypatch):
+    """Issue 14: validate -> tune -> train with the best trial's values -> evaluate -> register; the tuned values
+    are on the run, params.yaml is untouched, and the next run continues the same study instead of restarting."""
+    import optuna
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.retrain import retrain
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    shipped = (ROOT / "params.yaml").read_text()
+    (tmp_path / "params.yaml").write_text(shipped)
+    overrides = [*TINY, f"data.root={glyph_root}", "tracking.enabled=true", "tune.trials=2", "tune.epochs=1",
+                 "tune.pruner=none"]
+
+    first = retrain("params.yaml", overrides, tune=True)
+    tuned = first["tuned"]["values"]
+    assert tuned and set(tuned) >= {"memory.method", "memory.size"}
+    assert json.loads(Path("metrics/train.json").read_text())["method"] == tuned["memory.method"]
+    run = MlflowClient(uri).get_run(Path("reports/run_id").read_text().strip())
+    assert run.data.tags["tuned_study"] == first["tuned"]["study"]
+    assert json.loads(run.data.tags["tuned_values"]) == tuned
+    assert run.data.params["memory.method"] == tuned["memory.method"]
+    assert (tmp_path / "params.yaml").read_text() == shipped  # tuned values are not written back unasked
+    assert first["decision"]["decision"] == "promoted"
+
+    second = retrain("params.yaml", overrides, tune=True)
+    assert second["tuned"] == first["tuned"]  # the same study, already at tune.trials: nothing re-run
+    study = optuna.load_study(study_name=first["tuned"]["study"], storage="sqlite:///tuning/optuna.db")
+    assert len(study.trials) == 2
+
+
 def test_bad_data_fails_the_flow_without_retrying(prefect_harness, tmp_path, glyph_root, monkeypatch):
     import shutil
 
