@@ -134,8 +134,8 @@ def run_overrides(data: list[str], method: str, batch: int, seed: int, run_dir: 
     ]
 
 
-def run_one(overrides: list[str], threads: int) -> dict[str, Any]:
-    """One training + test evaluation in this (worker) process."""
+def run_one(overrides: list[str], threads: int, params_file: Path) -> dict[str, Any]:
+    """One training + test evaluation in this (worker) process, from the grid's snapshot of params.yaml."""
     import torch
 
     from xbn.config import load_params
@@ -143,7 +143,7 @@ def run_one(overrides: list[str], threads: int) -> dict[str, Any]:
     from xbn.training.trainer import train
 
     torch.set_num_threads(threads)
-    params = load_params(REPO / "params.yaml", overrides)
+    params = load_params(params_file, overrides)
     load = os.getloadavg()
     started = time.perf_counter()
     summary = train(params, progress=False)
@@ -262,6 +262,9 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="xbn_grid_") as tmp:
         work = Path(tmp)
+        # The params as they were at the start: an edit of params.yaml during the grid must not reach its runs.
+        params_file = work / "params.yaml"
+        params_file.write_text((REPO / "params.yaml").read_text())
         jobs = []
         for dataset in args.datasets:
             try:
@@ -283,11 +286,11 @@ def main(argv: list[str]) -> int:
         print(f"grid: {len(jobs)} runs on {args.workers} worker(s) x {args.threads} thread(s)", flush=True)
         context = multiprocessing.get_context("spawn")
         with futures.ProcessPoolExecutor(args.workers, mp_context=context) as pool:
-            pending = {pool.submit(run_one, overrides, args.threads): key for key, overrides in jobs}
+            pending = {pool.submit(run_one, overrides, args.threads, params_file): key for key, overrides in jobs}
             for i, future in enumerate(futures.as_completed(pending), 1):
                 key = pending[future]
                 try:
-                    run = {**key, **future.result()}
+                    run = {**key, **future.result(), "git_commit": result["machine"]["git_commit"]}
                 except Exception as exc:  # one failed configuration must not lose the others
                     run = {**key, "error": f"{type(exc).__name__}: {exc}"}
                 result["runs"].append(run)
