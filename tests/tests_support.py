@@ -16,8 +16,8 @@ TINY = [
 
 
 def brute_force_recall_at_1(embeddings, labels) -> float:
-    """Leave-one-out R@1 by cosine similarity, written out in full (no faiss, no chunking): each item's nearest
-    other item shares its label; items whose label occurs once have no answer and are left out."""
+    """Leave-one-out R@1 by cosine similarity, written out in full (no faiss, no chunking): does each item's
+    nearest other item share its label; items whose label occurs once have no answer and are left out."""
     import torch
 
     x = torch.nn.functional.normalize(torch.as_tensor(embeddings, dtype=torch.float64), dim=1)
@@ -30,9 +30,9 @@ def brute_force_recall_at_1(embeddings, labels) -> float:
     return float(hit[answerable].double().mean())
 
 
-def recomputed_recall_at_1(params, split: str, model_path: str | Path = "models/model.pt") -> float:
-    """R@1 of a saved model on a split of params' manifest, recomputed by `brute_force_recall_at_1` (images
-    unreadable now are left out, as evaluation does), to check a reported R@1 against."""
+def split_embeddings(params, split: str, model_path: str | Path = "models/model.pt"):
+    """(embeddings, labels) of a saved model on a split of params' manifest, on the CPU; images unreadable
+    now are left out, as evaluation does."""
     import torch
 
     from xbn.data import read_manifest
@@ -40,8 +40,13 @@ def recomputed_recall_at_1(params, split: str, model_path: str | Path = "models/
     from xbn.models import load_embedder
 
     model, data_config, _ = load_embedder(model_path, map_location="cpu")
-    embeddings, labels = embed_split(
-        model, read_manifest(params.data.manifest), params.data.root, split, image_size=params.data.image_size,
-        mean=data_config["mean"], std=data_config["std"], batch_size=params.eval.batch_size, num_workers=0,
-        device=torch.device("cpu"), amp=False)
-    return brute_force_recall_at_1(embeddings, labels)
+    return embed_split(
+        model, read_manifest(params.data.manifest), params.data.root, split,
+        image_size=params.data.image_size, mean=data_config["mean"], std=data_config["std"],
+        batch_size=params.eval.batch_size, num_workers=0, device=torch.device("cpu"), amp=False)
+
+
+def recomputed_recall_at_1(params, split: str, model_path: str | Path = "models/model.pt") -> float:
+    """R@1 of a saved model on a split, recomputed by `brute_force_recall_at_1`, to check a reported R@1
+    against."""
+    return brute_force_recall_at_1(*split_embeddings(params, split, model_path))

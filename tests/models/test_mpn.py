@@ -17,7 +17,7 @@ from xbn.stages.evaluate import evaluate
 from xbn.stages.prepare import prepare
 from xbn.training.trainer import Trainer
 
-from tests_support import ROOT
+from tests_support import ROOT, brute_force_recall_at_1, split_embeddings
 
 
 def _mpn(dim=16, layers=2, heads=4, dropout=0.0, seed=0):
@@ -157,7 +157,11 @@ def test_training_with_mpn_and_test_time_evaluation(tiny_params):
 
     metrics = evaluate(params)
     written = json.loads(Path("metrics/eval.json").read_text())
-    assert 0 <= written["recall@1"] <= 1 and 0 <= written["mpn"]["recall@1"] <= 1  # both metric sets
+    # Both metric sets, recomputed from the saved model and MPN: plain by brute force, MPN over k = test_k.
+    emb, labels = split_embeddings(params, "test")
+    assert written["recall@1"] == pytest.approx(brute_force_recall_at_1(emb, labels), abs=1e-12)
+    again = mpn_retrieval_metrics(load_mpn("models/mpn.pt"), emb, labels, k=3, ks=params.eval.k, nmi=False)
+    assert written["mpn"]["recall@1"] == pytest.approx(again["recall@1"], abs=1e-12)
     assert written["mpn"]["num_queries"] == metrics["num_queries"]
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests_support import ROOT, TINY
+from tests_support import ROOT, TINY, recomputed_recall_at_1
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,12 @@ def test_retrain_flow_registers_then_gate_holds_back_a_challenger(prefect_harnes
 
     first = retrain("params.yaml", overrides)
     assert first["decision"]["decision"] == "promoted" and first["decision"]["alias"] == "champion"
-    assert 0 <= first["metrics"]["recall@1"] <= 1
+    from xbn.config import load_params
+
+    # The registered model's test R@1, recomputed by brute force from models/model.pt.
+    params_first = load_params("params.yaml", overrides)
+    recomputed = recomputed_recall_at_1(params_first, "test")
+    assert first["metrics"]["recall@1"] == pytest.approx(recomputed, abs=1e-12)
 
     # An impossible bar: the second model must stay challenger, with the reason on record.
     second = retrain("params.yaml", [*overrides, "train.seed=1", "registry.min_improvement=1.0"])
