@@ -12,9 +12,9 @@ BATCH = 64
 
 
 def stationary_stream(dim: int, steps: int, seed: int, near_constant: bool):
-    """Batch (mean, std) of N(0, 0.05^2) per dimension. With `near_constant`, dimension 0 has std 1e-6 and a
-    level that wobbles by 1e-5 (a dead unit whose value moves by float noise): nothing anywhere else, but 10 of
-    its own stds, so its innovation ratio nu^2 / (P + R) is ~10^4 times the others'."""
+    """Batch (mean, std) of N(0, 0.05^2) per dimension. With `near_constant`, dimension 0 has std 1e-6 and
+    a level that wobbles by 1e-5 (a dead unit whose value moves by float noise): nothing anywhere else, but
+    10 of its own stds, so its innovation ratio nu^2 / (P + R) is ~10^4 times the others'."""
     g = torch.Generator().manual_seed(seed)
     sd = torch.full((dim,), 0.05, dtype=torch.float64)
     mu = torch.zeros(dim, dtype=torch.float64)

@@ -1,8 +1,8 @@
 """A drift whose right answer is known: the memory that rescales its rows (XBN, AXBN) retrieves the current
 batch's classes as well as rows re-embedded by the current network would; stale rows (XBM) do not.
 
-Embeddings z_t = a_t * (c_y + noise) + b_t, with per-dimension a_t (log-random walk) and b_t (random walk) that
-drift at every step, as a network's features do while it trains. The stream goes through the real
+Embeddings z_t = a_t * (c_y + noise) + b_t, with per-dimension a_t (log-random walk) and b_t (random walk)
+that drift at every step, as a network's features do while it trains. The stream goes through the real
 `AdaptiveCrossBatchMemory`; after each update the current batch's queries are scored (R@1, Euclidean) against
 the memory's other rows, and against the same rows written as the current step's (a_t, b_t) would map them
 (`fresh`: what a perfect correction gives, limited only by which classes the memory holds).

@@ -1,5 +1,6 @@
-"""Learning happens: a short real training run retrieves classes it never saw better than the same network did
-before training (the untrained baseline `evaluate` reports: the ImageNet backbone with the run's fresh head)."""
+"""Learning happens: a short real training run retrieves classes it never saw better than the same network
+did before training (the untrained baseline `evaluate` reports: the ImageNet backbone with the run's fresh
+head)."""
 
 import pytest
 import torch

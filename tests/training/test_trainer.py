@@ -26,7 +26,8 @@ def test_train_writes_model_checkpoint_and_metrics(tiny_params):
     # The best epoch's val R@1 is the saved model's, recomputed by brute force, and the best of the epochs.
     assert written["best_val_recall@1"] == pytest.approx(recomputed_recall_at_1(params, "val"), abs=1e-12)
     epochs = list(csv.DictReader(Path("metrics/train_epochs.csv").open()))
-    assert written["best_val_recall@1"] == pytest.approx(max(float(e["val_recall@1"]) for e in epochs[1:]), abs=1e-5)
+    best_row = max(float(e["val_recall@1"]) for e in epochs[1:])
+    assert written["best_val_recall@1"] == pytest.approx(best_row, abs=1e-5)
     steps = Path("metrics/train_steps.csv").read_text().splitlines()
     header = steps[0].split(",")
     for column in ("loss", "gain", "memory_std", "drift_mean", "drift_max"):
@@ -86,8 +87,8 @@ def test_axbn_auto_resumed_after_epoch_1_equals_uninterrupted_run(tiny_params):
     full.fit()
 
     # Stopped after epoch 1 of 2 (what a kill after the epoch-1 checkpoint leaves), then resumed.
-    Trainer(tiny_params(*run, "train.epochs=1", "train.checkpoint_dir=part", "train.metrics_dir=part_metrics"),
-            progress=False).fit()
+    Trainer(tiny_params(*run, "train.epochs=1", "train.checkpoint_dir=part",
+                        "train.metrics_dir=part_metrics"), progress=False).fit()
     saved = torch.load("part/last.pt", weights_only=True)["criterion"]
     assert int(saved["memory.moments.steps"]) > 0 and saved["memory.moments.relative_process_noise"].any()
     resumed = Trainer(tiny_params(*run, "train.checkpoint_dir=part", "train.metrics_dir=part_metrics"),

@@ -97,15 +97,15 @@ class AdaptiveKalmanMoments(nn.Module):
     - measurement noise from sampling theory: the batch mean of |B| samples has variance s^2/|B|, the batch
       std about s^2/(2(|B|-1)), s the std (per dimension, the filter's current estimate);
     - process noise by covariance matching on the innovations nu = y - x (Mehra 1972): E[nu^2] = P + Q + R.
-      One relative process noise per statistic, Q = q_rel * R, is estimated from the ratios nu^2 / (P + R)
-      (chi-square with one degree of freedom under no drift) pooled over the dimensions by their median, and
-      averaged over ~1/`innovation_momentum` steps before it is clipped at 0: pooling cuts the estimate's noise
-      by ~sqrt(d), and clipping only the average keeps a stationary stream's Q near 0 (clipping every step would
-      bias it upwards). Drift inflates the innovations, so Q and the gain rise; a stationary stream lets them
-      fall towards the 1/k averaging of a static filter.
-    - The median, not the mean: a mean lets one dimension outvote the others, e.g. a near-constant one (tiny R)
-      whose level moves by an amount negligible anywhere else; its huge ratio would raise every dimension's
-      gain towards 1 (XBN). The median ignores up to half the dimensions.
+      One relative process noise per statistic, Q = q_rel * R, is estimated from the ratios
+      nu^2 / (P + R) (chi-square with one degree of freedom under no drift) pooled over the dimensions by
+      their median, and averaged over ~1/`innovation_momentum` steps before it is clipped at 0: pooling cuts
+      the estimate's noise by ~sqrt(d), and clipping only the average keeps a stationary stream's Q near 0
+      (clipping every step would bias it upwards). Drift inflates the innovations, so Q and the gain rise; a
+      stationary stream lets them fall towards the 1/k averaging of a static filter.
+    - The median, not the mean: a mean lets one dimension outvote the others, e.g. a near-constant one
+      (tiny R) whose level moves by an amount negligible anywhere else; its huge ratio would raise every
+      dimension's gain towards 1 (XBN). The median ignores up to half the dimensions.
     """
 
     def __init__(self, dim: int, innovation_momentum: float = 0.05):
@@ -142,14 +142,15 @@ class AdaptiveKalmanMoments(nn.Module):
             covariance.copy_(noise)  # the prior (the memory's moments) is taken as uncertain as one batch
         ratio_to_noise = (covariance / noise).median()  # P/R, the same in every dimension but for R's updates
         if int(self.steps) > 0:
-            # With Q = q R, nu^2 / (P + R) is chi-square(1) times c = 1 + q / (1 + P/R); median / (its null mean)
-            # estimates c without bias under no drift (the median of chi2_1 - 1 is -0.545, not 0), so
-            # q = (c - 1)(1 + P/R) keeps the mean pooling's expectation.
+            # With Q = q R, nu^2 / (P + R) is chi-square(1) times c = 1 + q / (1 + P/R); the median over
+            # its null mean estimates c without bias under no drift (the median of chi2_1 - 1 is -0.545, not
+            # 0), so q = (c - 1)(1 + P/R) keeps the mean pooling's expectation.
             scale = (innovation * innovation / (covariance + noise)).median() / self.null_median
-            self.relative_process_noise[slot].lerp_((scale - 1) * (1 + ratio_to_noise), self.innovation_momentum)
-        # Under no drift the averaged q is noise of std (1 + P/R) * sd0 / m0 * sqrt(b/(2-b)) (m0, sd0: the null
-        # median's mean and std, `chi2_median_moments`; b/(2-b) the variance factor of averaging with momentum
-        # b); only what stands above twice that counts as process noise.
+            excess = (scale - 1) * (1 + ratio_to_noise)
+            self.relative_process_noise[slot].lerp_(excess, self.innovation_momentum)
+        # Under no drift the averaged q is noise of std (1 + P/R) * sd0 / m0 * sqrt(b/(2-b)) (m0, sd0: the
+        # null median's mean and std, `chi2_median_moments`; b/(2-b) the variance factor of averaging with
+        # momentum b); only what stands above twice that counts as process noise.
         b = self.innovation_momentum
         spread = (1 + ratio_to_noise) * self.null_median_std / self.null_median * math.sqrt(b / (2 - b))
         predicted = covariance + (self.relative_process_noise[slot] - 2 * spread).clamp_min(0.0) * noise
