@@ -125,6 +125,7 @@ class Criterion(nn.Module):
         return self.memory_loss(embeddings, labels)
 
     def memory_loss(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self.memory.iteration = self.iteration  # named if the memory's statistics turn non-finite
         loss = self.memory(embeddings, labels)
         if self.add_batch_loss:
             loss = loss + self.batch_loss(embeddings, labels)

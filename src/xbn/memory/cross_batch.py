@@ -12,6 +12,9 @@ removal). What it adds, written by hand because no library has it:
   cannot accumulate.
 - The queue pointer and fill flag live in `state_dict` (PML keeps them as plain attributes, so a resumed run
   would silently differ).
+- A non-finite target (a NaN gain, an inf in the batch or the memory's moments) raises the trainer's
+  `NonFiniteLossError` before any row is changed. The check reads one flag over the d-vectors of the map,
+  fetched in the same host transfer as the step's diagnostics, so it adds no synchronisation on a GPU.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class AdaptiveCrossBatchMemory(CrossBatchMemory):
         self.register_buffer("row_sq_sum", torch.zeros(embedding_size, dtype=torch.float64))
         self.adaptation_steps = 0  # memory updates seen with stored rows (drives the sums' refresh)
         self.last_diagnostics: dict[str, float] = {}
+        self.iteration: int | None = None  # the training iteration, set by `Criterion`: named in errors
 
     # -- state that PML keeps outside state_dict -------------------------------------------------------------
     def get_extra_state(self):
@@ -124,6 +128,13 @@ class AdaptiveCrossBatchMemory(CrossBatchMemory):
         degenerate = memory_std <= STD_EPS
         scale = torch.where(degenerate, torch.ones_like(memory_std), target_std / memory_std.clamp_min(STD_EPS))
         shift = target_mean - scale * memory_mean
+        # The diagnostics and the finiteness of the map (4 d-vectors) in one host transfer, before any row moves.
+        finite = torch.isfinite(torch.cat([target_mean, target_std, scale, shift])).all()
+        memory_mean_, memory_std_, batch_mean_, batch_std_, scale_, ok = torch.stack([
+            memory_mean.mean(), memory_std.mean(), batch_mean.mean(), batch_std.mean(), scale.mean(),
+            finite.double()]).tolist()
+        if not ok:
+            self._non_finite(target_mean, target_std, batch, memory_mean, memory_std)
         rows = self.valid_rows()
         torch.addcmul(shift.to(rows.dtype), rows, scale.to(rows.dtype), out=rows)
 
@@ -133,9 +144,26 @@ class AdaptiveCrossBatchMemory(CrossBatchMemory):
         self.row_sq_sum.copy_(new_sq)
         self.last_diagnostics = {
             **self.moments.diagnostics(),
-            "memory_mean": float(memory_mean.mean()),
-            "memory_std": float(memory_std.mean()),
-            "batch_mean": float(batch_mean.mean()),
-            "batch_std": float(batch_std.mean()),
-            "scale": float(scale.mean()),
+            "memory_mean": memory_mean_,
+            "memory_std": memory_std_,
+            "batch_mean": batch_mean_,
+            "batch_std": batch_std_,
+            "scale": scale_,
         }
+
+    def _non_finite(self, target_mean, target_std, batch, memory_mean, memory_std) -> None:
+        from xbn.training.trainer import NonFiniteLossError  # here: the trainer imports this module
+
+        def bad(x: torch.Tensor) -> int:
+            return int((~torch.isfinite(x)).sum())
+
+        where = (f"iteration {self.iteration}" if self.iteration is not None
+                 else f"memory update {self.adaptation_steps + 1}")
+        gain = getattr(self.moments, "gain", None)
+        what = type(self.moments).__name__.removesuffix("Moments")
+        raise NonFiniteLossError(
+            f"at {where}: the memory's target moments are not finite (mean: {bad(target_mean)} of "
+            f"{target_mean.numel()} dims non-finite, std: {bad(target_std)} of {target_std.numel()}"
+            + (f"; {what} gain non-finite in {bad(gain)} dims" if gain is not None else "")
+            + f"; batch finite: {bad(batch) == 0}, memory moments finite: "
+            f"{bad(memory_mean) + bad(memory_std) == 0}); the memory was left as it was before this update")

@@ -1,0 +1,68 @@
+"""A non-finite gain or memory statistic stops training at once, naming the iteration, with the memory left as
+it was: it never trains on to the end with a NaN memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from xbn.config import load_params
+from xbn.memory import build_criterion
+from xbn.memory.moments import KalmanMoments
+from xbn.stages.prepare import prepare
+from xbn.training.trainer import NonFiniteLossError, Trainer
+
+D = 8
+
+
+def unit(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.nn.functional.normalize(torch.randn(n, D, generator=g), dim=1)
+
+
+def labels(n, step):
+    return torch.arange(n) // 4 + 10 * step
+
+
+def test_a_non_finite_kalman_gain_stops_at_its_iteration_before_touching_the_memory():
+    params = load_params(None, ["memory.method=axbn", "model.embedding_dim=8", "memory.size=64",
+                                "memory.start=0", "loss.miner=null"])
+    crit = build_criterion(params, num_train_images=64)
+    crit(unit(16, 0), labels(16, 0))  # iteration 1 stores rows; 2 is the first memory update
+    # What q = inf (refused in params now) or an overflowing P + Q does: the predicted covariance is inf.
+    crit.memory.moments.covariance.fill_(float("inf"))
+    stored = crit.memory.embedding_memory.clone()
+    with pytest.raises(NonFiniteLossError, match=r"at iteration 2: the memory's target moments are not finite "
+                                                 r"\(mean: 8 of 8 dims non-finite, std: 8 of 8; Kalman gain"):
+        crit(unit(16, 1), labels(16, 1))
+    assert torch.equal(crit.memory.embedding_memory, stored)
+
+
+def test_a_non_finite_batch_stops_xbn_before_it_enters_the_memory():
+    params = load_params(None, ["memory.method=xbn", "model.embedding_dim=8", "memory.size=64",
+                                "memory.start=0", "loss.miner=null"])
+    crit = build_criterion(params, num_train_images=64)
+    for step in range(3):
+        crit(unit(16, step), labels(16, step))
+    stored = crit.memory.embedding_memory.clone()
+    batch = unit(16, 3)
+    batch[5, 2] = float("inf")
+    with pytest.raises(NonFiniteLossError, match=r"at iteration 4: .* batch finite: False"):
+        crit(batch, labels(16, 3))
+    assert torch.equal(crit.memory.embedding_memory, stored)
+
+
+def test_training_stops_naming_the_iteration_and_keeps_the_last_checkpoint(tiny_params):
+    params = tiny_params("memory.method=axbn", "train.epochs=1")
+    prepare(params)
+    trainer = Trainer(params, progress=False)
+    trainer.fit()  # 2 epochs (1 warm-up), the memory from epoch 2 on
+    before = Path("models/last.pt").read_bytes()
+    trainer.params.train.epochs = 2
+    trainer.criterion.memory.moments.q = float("inf")  # the gain of the next recomputation is NaN
+    trainer.criterion.memory.moments.gain_interval = 1
+    with pytest.raises(NonFiniteLossError, match=rf"at iteration {trainer.iteration + 1}: the memory's target"):
+        trainer.fit()
+    assert Path("models/last.pt").read_bytes() == before
