@@ -7,6 +7,7 @@ work starts (the CLI turns it into a non-zero exit).
 from __future__ import annotations
 
 import copy
+import difflib
 import math
 import re
 import warnings
@@ -26,13 +27,24 @@ class ConfigError(ValueError):
     """A params file or override that does not fit the schema; the message names the key."""
 
 
+def close_matches(name: str, candidates, n: int = 5) -> list[str]:
+    """Up to `n` of `candidates` that look like `name` (difflib, ignoring case), best first."""
+    by_lower: dict[str, str] = {}
+    for candidate in candidates:
+        by_lower.setdefault(str(candidate).lower(), str(candidate))
+    return [by_lower[m] for m in difflib.get_close_matches(name.lower(), list(by_lower), n=n, cutoff=0.6)]
+
+
+DEVICES = ("auto", "cpu", "cuda", "cuda:0")
+
+
 class Section(BaseModel):
     # allow_inf_nan=False: every float of the schema is finite (inf, nan and 1e400 are refused by key); the
     # free-form mappings (loss.params, ...) are checked by `finite_values`.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
-# What YAML 1.1 leaves a string although it is a number (`1e-3`, `1e400`: no dot), and the spellings of inf/nan.
+# What YAML 1.1 leaves a string although it is a number (`1e-3`, `1e400`: no dot), and inf/nan spellings.
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?\.?(inf|infinity|nan)", re.IGNORECASE)
 
 
@@ -200,7 +212,7 @@ class SamplerConfig(Section):
 class TrainConfig(Section):
     epochs: int = Field(12, ge=0)
     warmup_epochs: int = Field(2, ge=0)
-    # An lr above 10 (or a decay above 1: it would flip the weights' sign each step) is a typo, not a schedule.
+    # An lr above 10 (or a decay above 1: it flips the weights' sign each step) is a typo, not a schedule.
     warmup_lr: float = Field(1e-3, gt=0.0, le=10.0)
     lr: float = Field(1e-4, gt=0.0, le=10.0)
     weight_decay: float = Field(1e-4, ge=0.0, le=1.0)
@@ -218,6 +230,16 @@ class TrainConfig(Section):
     checkpoint_dir: str = "models"
     metrics_dir: str = "metrics"
     sampler: SamplerConfig = SamplerConfig()
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+            matches = close_matches(value, DEVICES)
+            raise PydanticCustomError("device", "'{value}' is not auto, cpu, cuda or cuda:N{hint}",
+                                      {"value": value, "hint": f" (close matches: {', '.join(matches)})"
+                                       if matches else ""})
+        return value
 
     @model_validator(mode="after")
     def _batch_divisible(self):
@@ -536,7 +558,11 @@ def apply_overrides(raw: dict, overrides: list[str] | None) -> dict:
     return raw
 
 
-def load_params(path: str | Path | None = "params.yaml", overrides: list[str] | None = None) -> Params:
+def load_params(path: str | Path | None = "params.yaml", overrides: list[str] | None = None, *,
+                resolve_names: bool = True) -> Params:
+    """The validated params of `path` with `overrides`; with `resolve_names` (the default) `check_names` also
+    resolves the loss, miner, backbone and device, which imports torch, pytorch-metric-learning and timm
+    (seconds in a fresh process; the CLI skips it for the stages that use none of them)."""
     raw: dict = {}
     if path is not None:
         path = Path(path)
@@ -550,9 +576,41 @@ def load_params(path: str | Path | None = "params.yaml", overrides: list[str] | 
             raise ConfigError(f"{path} must hold a mapping of sections")
     raw = apply_overrides(raw, overrides)
     try:
-        return Params.model_validate(raw)
+        params = Params.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_format_error(err)) from None
+    if resolve_names:
+        check_names(params)
+    return params
+
+
+def check_names(params: Params) -> None:
+    """Resolve every name the params give against what is installed, before any data is read: loss.name and
+    loss.miner (pytorch-metric-learning classes, or ours) and the arguments in loss.params, loss.miner_params
+    and refine.loss_params (the constructors' signatures), model.backbone (timm) and train.device (CUDA).
+    Raises ConfigError naming the key and the close matches. The libraries are imported here, not at module
+    import, so `import xbn.config` stays light."""
+    from xbn.losses import FILLED_LOSS_ARGUMENTS, check_arguments, loss_class, miner_class
+    from xbn.models.backbone import check_backbone
+
+    loss = params.loss
+    check_arguments(loss_class(loss.name), loss.params, "loss.params", filled=FILLED_LOSS_ARGUMENTS,
+                    owner=f"loss.name={loss.name}")
+    if loss.miner is not None:
+        check_arguments(miner_class(loss.miner), loss.miner_params, "loss.miner_params",
+                        owner=f"loss.miner={loss.miner}")
+    check_arguments(loss_class("MultiSimilarityLoss"), params.refine.loss_params, "refine.loss_params",
+                    owner="MultiSimilarityLoss (the refiner's loss)")
+    check_backbone(params.model.backbone, params.model.pretrained, params.model.pretrained_path)
+    device = params.train.device
+    if device.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(device.partition(":")[2] or 0)
+        if index >= count:
+            raise ConfigError(f"train.device: {device} but this machine has "
+                              f"{f'{count} CUDA device(s)' if count else 'no CUDA device'}: use auto or cpu")
 
 
 def flatten(params: Params | dict, prefix: str = "") -> dict[str, Any]:

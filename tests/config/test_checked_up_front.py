@@ -3,6 +3,10 @@ before any data is read: never a traceback after the data and the model are load
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import yaml
@@ -10,6 +14,8 @@ import yaml
 from tests_support import ROOT
 from xbn.config import ConfigError, load_params
 from xbn.memory import build_criterion
+
+XBN = str(Path(sys.executable).with_name("xbn"))
 
 
 @pytest.mark.parametrize("override, named", [
@@ -61,5 +67,55 @@ def test_a_memory_beyond_the_available_ram_fails_before_allocating():
     with pytest.raises(ConfigError, match=r"memory\.size=1e\+12 gives 1000000000000 rows x 512 dims") as info:
         build_criterion(params, num_train_images=1000)
     assert "available" in str(info.value)
-    fits = build_criterion(load_params(None, ["memory.method=xbn", "memory.size=5000"]), num_train_images=1000)
+    fits = build_criterion(load_params(None, ["memory.method=xbn", "memory.size=5000"]), 1000)
     assert fits.memory.memory_size == 5000 and fits.memory.embedding_memory.dtype == torch.float32
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["loss.name=SupConLos"], "loss.name: unknown loss 'SupConLos'; close matches: SupConLoss"),
+    (["loss.name=tripletmarginloss"], "unknown loss 'tripletmarginloss'; close matches: TripletMarginLoss"),
+    (["loss.miner=PairMarginMine"], "loss.miner: unknown miner 'PairMarginMine'; close matches: PairMarginM"),
+    (["loss.miner=SoftHardMinr", "loss.miner_params={}"], "close matches: SoftHardMiner"),  # ours
+    (["model.backbone=tf_efficientnet_lite"],
+     "model.backbone: timm has no model 'tf_efficientnet_lite'; close matches: tf_efficientnet_lite4"),
+    (["model.backbone=resnet50"], "model.backbone: no offline weights for 'resnet50' (model.pretrained="),
+    (["loss.params.temprature=0.1"],
+     "loss.params.temprature: loss.name=SupConLoss takes no argument 'temprature'; close matches: temp"),
+    (["loss.miner_params.pos_margn=0.1"], "loss.miner_params.pos_margn: loss.miner=PairMarginMiner takes no"),
+    (["refine.loss_params.gamma=2"], "refine.loss_params.gamma: MultiSimilarityLoss (the refiner's loss)"),
+    (["loss.name=CrossBatchMemory", "loss.params={}"], "loss.params: loss.name=CrossBatchMemory needs loss"),
+    (["train.device=gpu"], "train.device: 'gpu' is not auto, cpu, cuda or cuda:N (close matches: cpu)"),
+    (["train.device=cuda:64"], "train.device: cuda:64 but this machine has"),
+])
+def test_names_that_resolve_to_nothing_are_refused_by_key_with_close_matches(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_params(ROOT / "params.yaml", overrides)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["loss.name=TripletMarginLoss", "loss.params={margin: 0.2}", "loss.miner=SoftHardMiner",
+     "loss.miner_params={seed: 3}"],
+    ["loss.name=NormalizedSoftmaxLoss", "loss.params={temperature: 0.05}", "loss.miner=null",
+     "memory.method=none"],  # num_classes and embedding_size are filled in from the data: never required
+    ["loss.name=ArcFaceLoss", "loss.params={margin: 28.6, scale: 64}", "loss.miner=null",
+     "memory.method=none"],
+    ["model.backbone=resnet18.a1_in1k", "model.pretrained=timm", "train.device=cpu"],
+    ["model.backbone=test_efficientnet", "model.pretrained=none"],
+])
+def test_names_that_resolve_pass(overrides):
+    load_params(ROOT / "params.yaml", overrides)
+
+
+def test_xbn_train_with_a_misspelt_loss_exits_2_before_reading_any_data(tmp_path):
+    # The case: no manifest here, so anything that read data first would report a missing label file.
+    proc = subprocess.run([XBN, "train", "--params", str(ROOT / "params.yaml"), "--set",
+                           "loss.name=SupConLos"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == \
+        "xbn: loss.name: unknown loss 'SupConLos'; close matches: SupConLoss, PNPLoss"
+    assert not list(tmp_path.iterdir())  # nothing read, nothing written
+    # A stage that builds no loss loads the same params without importing the libraries.
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"loss": {"name": "SupConLos"}}))
+    assert load_params(params, resolve_names=False).loss.name == "SupConLos"

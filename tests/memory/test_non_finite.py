@@ -34,8 +34,9 @@ def test_a_non_finite_kalman_gain_stops_at_its_iteration_before_touching_the_mem
     # What q = inf (refused in params now) or an overflowing P + Q does: the predicted covariance is inf.
     crit.memory.moments.covariance.fill_(float("inf"))
     stored = crit.memory.embedding_memory.clone()
-    with pytest.raises(NonFiniteLossError, match=r"at iteration 2: the memory's target moments are not finite "
-                                                 r"\(mean: 8 of 8 dims non-finite, std: 8 of 8; Kalman gain"):
+    expected = r"at iteration 2: the memory's target moments are not finite \(mean: 8 of 8 dims non-finite, " \
+               r"std: 8 of 8; Kalman gain"
+    with pytest.raises(NonFiniteLossError, match=expected):
         crit(unit(16, 1), labels(16, 1))
     assert torch.equal(crit.memory.embedding_memory, stored)
 
@@ -63,6 +64,6 @@ def test_training_stops_naming_the_iteration_and_keeps_the_last_checkpoint(tiny_
     trainer.params.train.epochs = 2
     trainer.criterion.memory.moments.q = float("inf")  # the gain of the next recomputation is NaN
     trainer.criterion.memory.moments.gain_interval = 1
-    with pytest.raises(NonFiniteLossError, match=rf"at iteration {trainer.iteration + 1}: the memory's target"):
+    with pytest.raises(NonFiniteLossError, match=rf"at iteration {trainer.iteration + 1}: the memory's "):
         trainer.fit()
     assert Path("models/last.pt").read_bytes() == before

@@ -128,7 +128,7 @@ class AdaptiveCrossBatchMemory(CrossBatchMemory):
         degenerate = memory_std <= STD_EPS
         scale = torch.where(degenerate, torch.ones_like(memory_std), target_std / memory_std.clamp_min(STD_EPS))
         shift = target_mean - scale * memory_mean
-        # The diagnostics and the finiteness of the map (4 d-vectors) in one host transfer, before any row moves.
+        # The diagnostics and whether the map (4 d-vectors) is finite: one host transfer, before rows move.
         finite = torch.isfinite(torch.cat([target_mean, target_std, scale, shift])).all()
         memory_mean_, memory_std_, batch_mean_, batch_std_, scale_, ok = torch.stack([
             memory_mean.mean(), memory_std.mean(), batch_mean.mean(), batch_std.mean(), scale.mean(),

@@ -85,6 +85,21 @@ def create_backbone(
     return model, data_config
 
 
+def check_backbone(name: str, pretrained: Pretrained = "offline", pretrained_path: str | None = None) -> None:
+    """A ConfigError naming model.backbone unless timm has a model `name` (a `name.tag` of pretrained weights
+    included), listing timm's close matches; naming model.pretrained when `offline` has no weights for it."""
+    from xbn.config import ConfigError, close_matches
+
+    if not timm.is_model(name):
+        matches = close_matches(name, timm.list_models())
+        hint = f"close matches: {', '.join(matches)}" if matches else "see timm.list_models()"
+        raise ConfigError(f"model.backbone: timm has no model '{name}'; {hint}")
+    if pretrained == "offline" and pretrained_path is None and name not in OFFLINE_WEIGHTS:
+        raise ConfigError(f"model.backbone: no offline weights for '{name}' (model.pretrained=offline has "
+                          f"{', '.join(OFFLINE_WEIGHTS)}): use model.pretrained=timm (needs network), "
+                          "model.pretrained_path or model.pretrained=none")
+
+
 def offline_weights_path(name: str) -> str:
     """The weights file shipped for backbone `name`; a clear error when there is none or it is missing."""
     spec = OFFLINE_WEIGHTS.get(name)
