@@ -256,7 +256,9 @@ def main(argv: list[str]) -> int:
                                                      "threads")},
                      "scale": SCALE, "datasets_spec": {d: DATASETS[d] for d in args.datasets},
                      "backbone": "tf_efficientnet_lite0 (offline ImageNet weights), memory.size=1.0"},
-        "data": {}, "runs": [r for r in old.get("runs", []) if "recall@1" in r], "table": [],
+        "data": {}, "table": [],
+        "runs": [{"git_commit": old.get("machine", {}).get("git_commit"), **r} for r in old.get("runs", [])
+                 if "recall@1" in r],
     }
     done = {(r["dataset"], r["method"], r["batch"], r["seed"]) for r in result["runs"]}
     started = time.perf_counter()

@@ -258,6 +258,12 @@ def grid_verdicts(data: dict[str, Any], dataset: str) -> list[str]:
             lines.append(f"  Worse than `none` beyond the seed spread: {'; '.join(loses)}.")
         if ties:
             lines.append(f"  Within the seed spread of `none` (the interval contains 0): {'; '.join(ties)}.")
+        nones = sorted((r for r in data["runs"] if (r["dataset"], r["batch"], r["method"]) == (dataset, batch, "none")
+                        and "recall@1" in r), key=lambda r: r["seed"])
+        if nones:
+            lines.append("  `none` per seed (test R@1 / best val R@1 / untrained val R@1): " + "; ".join(
+                f"seed {r['seed']} {r['recall@1']:.4f} / {r['val_recall@1']:.4f} / "
+                f"{r.get('untrained_val_recall@1') or float('nan'):.4f}" for r in nones) + ".")
         candidates = [r for r in rows if r["method"] in DEFAULT_CANDIDATES]
         if candidates:
             pick = max(candidates, key=lambda r: r["val_recall@1"])
@@ -308,9 +314,13 @@ def grid_section(data: dict[str, Any]) -> str:
     done = [r for r in data["runs"] if "recall@1" in r]
     failed = [r for r in data["runs"] if "error" in r]
     loads = [r["loadavg_before"] for r in done] + [r["loadavg_after"] for r in done]
+    commits = sorted({r.get("git_commit") or data["machine"].get("git_commit") for r in done}, key=str)
     out = ["## 6. Memory methods over seeds (glyphs and Omniglot)", "", _header(data), "",
+           "Commands that added runs: " + "; ".join(f"`{c}`" for c in data.get("commands", [data["command"]]))
+           + f" (runs at commits {', '.join(str(c)[:7] for c in commits)}).", "",
            f"{len(done)} runs finished" + (f", {len(failed)} failed" if failed else "")
-           + f" in {data.get('elapsed_s', 0) / 60:.0f} min ({data.get('started', '?')} to {data.get('finished', '?')}), "
+           + f"; the last command took {data.get('elapsed_s', 0) / 60:.0f} min ({data.get('started', '?')} to "
+           f"{data.get('finished', '?')}), "
            f"{s['workers']} worker(s) x {s['threads']} torch thread(s); load average during the runs "
            + (f"{min(loads):.1f}-{max(loads):.1f}." if loads else "not recorded."), "",
            f"Every run: the shipped params.yaml plus the method's override, memory.size = 1.0 (the training set), "
