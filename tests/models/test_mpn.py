@@ -100,7 +100,7 @@ def test_config_defaults_and_errors():
 
 def test_composes_with_the_memory():
     params = Params.model_validate({"model": {"embedding_dim": 16, "mpn": {"enabled": True, "heads": 2}},
-                                    "memory": {"method": "xbm"}, "loss": {"miner": None}})
+                                    "memory": {"method": "xbm", "start": 0}, "loss": {"miner": None}})
     labels = torch.arange(4).repeat_interleave(2)
     criterion = build_criterion(params, 64, train_labels=labels.numpy())
     emb = F.normalize(torch.randn(8, 16), dim=-1)
