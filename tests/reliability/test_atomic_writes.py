@@ -112,3 +112,15 @@ with atomic_path(sys.argv[1]) as tmp:
     sys.stdin.readline()
     tmp.write_text('{"theirs": 1}')
 """
+
+
+def test_a_temp_file_of_the_older_naming_is_removed_only_once_it_is_an_hour_old(tmp_path):
+    # Writers before the host.pid naming left `.<name>.XXXXXXXX.tmp`: no pid to ask, so age decides.
+    target = tmp_path / "metrics.json"
+    old, fresh = tmp_path / ".metrics.json.ab12cd34.tmp", tmp_path / ".metrics.json.zz98yy76.tmp"
+    old.write_bytes(b""), fresh.write_bytes(b"")
+    two_hours_ago = os.path.getmtime(old) - 7200
+    os.utime(old, (two_hours_ago, two_hours_ago))
+    write_json(target, {"ok": 1})
+    assert json.loads(target.read_text()) == {"ok": 1}
+    assert not old.exists() and fresh.exists()
