@@ -1,0 +1,292 @@
+"""A faiss index over a catalogue's embeddings, tied to the model that embedded it.
+
+Embeddings are unit vectors and every index uses the inner product, so scores are cosine similarities, as in
+the evaluation (`xbn.evaluation.knn`). Four types: `flat` (exact), `ivf_flat`, `ivf_pq` and `hnsw`.
+
+Below `min_rows_approx` rows (10 000 by default) an approximate type falls back to flat: IVF-PQ's 8-bit codebooks
+need 256 training points per centroid and faiss asks for 39 per IVF cell, so a smaller catalogue trains them
+badly, while exact search over 10 000 x 512 floats costs about a millisecond per query on one core, so
+approximation has nothing to buy there.
+
+On disk an index is a folder of three files, each written atomically: `index.faiss`, `ids.parquet` (path, label,
+row) and `index.json` (type, dimension, count, the model's sha256, the measured recall@10, and the sha256 of the
+other two). `index.json` is written last and names the bytes of the other two, so a reader never pairs an index
+with the id map of another write.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import faiss
+import numpy as np
+import pandas as pd
+from pydantic import BaseModel, ConfigDict, Field
+
+from xbn.evaluation.knn import as_float32_matrix, knn_search
+from xbn.serving.model import ServedModel
+from xbn.utils.io import atomic_path, file_digest, write_json
+
+log = logging.getLogger(__name__)
+
+IndexType = Literal["flat", "ivf_flat", "ivf_pq", "hnsw"]
+INDEX_FILE, IDS_FILE, META_FILE = "index.faiss", "ids.parquet", "index.json"
+FORMAT = "xbn-index/1"
+RECALL_K = 10
+_MIN_POINTS_PER_CELL = 39  # faiss's k-means warns below this many training points per centroid
+
+
+class IndexMismatch(ValueError):
+    """An index used with a model other than the one that built it, or an index folder that is inconsistent."""
+
+
+class IndexConfig(BaseModel):
+    """The `index` params section (same strictness as the params schema: unknown keys and non-finite numbers
+    are refused; a plain BaseModel so that this module does not depend on the schema's layout)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    source: str = "test"  # "test" (the manifest's gallery) or a folder / manifest-format CSV of images
+    type: IndexType = "flat"
+    min_rows_approx: int = Field(10_000, ge=0)  # fewer rows: an approximate type is built as flat
+    nlist: int | None = Field(None, ge=1)  # IVF cells; None: 4·sqrt(rows), at least 39 rows per cell
+    nprobe: int = Field(16, ge=1)  # IVF cells visited per query
+    pq_m: int = Field(16, ge=1)  # PQ sub-quantizers (must divide the embedding dimension)
+    pq_nbits: int = Field(8, ge=1, le=16)  # bits per sub-quantizer code
+    hnsw_m: int = Field(32, ge=2)  # HNSW neighbours per node
+    ef_construction: int = Field(80, ge=1)
+    ef_search: int = Field(64, ge=1)
+    recall_queries: int = Field(1000, ge=1)  # held-out queries for the recall@10 measurement
+    seed: int = 0
+    batch_size: int = Field(64, ge=1)  # embedding batch size
+    output: str = "models/index"
+
+
+def effective_type(cfg: IndexConfig, rows: int) -> IndexType:
+    """The type actually built for `rows` rows (see the module docstring for the fallback)."""
+    if cfg.type != "flat" and rows < cfg.min_rows_approx:
+        log.info("index: %d rows < index.min_rows_approx (%d): building flat (exact) instead of %s",
+                 rows, cfg.min_rows_approx, cfg.type)
+        return "flat"
+    return cfg.type
+
+
+def build_faiss(x: np.ndarray, cfg: IndexConfig, kind: IndexType) -> tuple[faiss.Index, dict[str, Any]]:
+    """An inner-product faiss index of type `kind` holding the unit rows `x`, and the parameters it got."""
+    n, dim = x.shape
+    params: dict[str, Any] = {}
+    if kind in ("ivf_flat", "ivf_pq"):
+        params["nlist"] = nlist = cfg.nlist or max(1, min(int(4 * math.sqrt(n)), n // _MIN_POINTS_PER_CELL))
+        if nlist > n:
+            raise ValueError(f"index.nlist ({nlist}) exceeds the {n} rows to train on")
+        params["nprobe"] = cfg.nprobe
+        if kind == "ivf_pq":
+            if dim % cfg.pq_m:
+                raise ValueError(f"index.pq_m ({cfg.pq_m}) must divide the embedding dimension ({dim})")
+            params.update(pq_m=cfg.pq_m, pq_nbits=cfg.pq_nbits)
+            spec = f"IVF{nlist},PQ{cfg.pq_m}x{cfg.pq_nbits}"
+        else:
+            spec = f"IVF{nlist},Flat"
+    elif kind == "hnsw":
+        params.update(hnsw_m=cfg.hnsw_m, ef_construction=cfg.ef_construction, ef_search=cfg.ef_search)
+        spec = f"HNSW{cfg.hnsw_m},Flat"
+    else:
+        spec = "Flat"
+    index = faiss.index_factory(dim, spec, faiss.METRIC_INNER_PRODUCT)
+    if kind == "hnsw":
+        index.hnsw.efConstruction = cfg.ef_construction  # must be set before the first add
+    if not index.is_trained:
+        index.train(x)
+    index.add(x)
+    set_search_params(index, params)
+    return index, params
+
+
+def set_search_params(index: faiss.Index, params: dict[str, Any]) -> None:
+    """Apply the query-time knobs (not all survive faiss's own serialisation, so they are re-applied)."""
+    space = faiss.ParameterSpace()
+    if "nprobe" in params:
+        space.set_index_parameter(index, "nprobe", int(params["nprobe"]))
+    if "ef_search" in params:
+        space.set_index_parameter(index, "efSearch", int(params["ef_search"]))
+
+
+def unit_rows(x: Any, name: str) -> np.ndarray:
+    """A float32 [N, d] copy with unit rows (the embedder's output already is; this guards other callers)."""
+    x = as_float32_matrix(x, name).copy()
+    faiss.normalize_L2(x)
+    return x
+
+
+def recall_at_k(index: faiss.Index, references: np.ndarray, queries: np.ndarray | None = None, k: int = RECALL_K,
+                sample: int = 1000, seed: int = 0) -> float:
+    """Mean fraction of the exact top-k (by `knn_search` over `references`) that `index` returns in its top-k.
+
+    Without `queries`, `sample` catalogue rows are the queries, held out of their own results on both sides
+    (leave-one-out: a query finding itself proves nothing). A flat index scores 1.0.
+    """
+    references = as_float32_matrix(references, "references")
+    held_out = queries is None
+    if held_out:
+        rows = np.random.default_rng(seed).choice(len(references), min(sample, len(references)), replace=False)
+        queries = references[np.sort(rows)]
+    else:
+        queries = unit_rows(queries, "queries")
+    k = min(k, len(references) - int(held_out))
+    if k < 1 or not len(queries):
+        return 1.0  # nothing to rank: no way to miss
+    _, exact = knn_search(queries, references, k, exclude=np.sort(rows) if held_out else None)
+    _, approx = index.search(queries, k + int(held_out))
+    found = 0
+    for i, (want, got) in enumerate(zip(exact, approx)):
+        if held_out:
+            got = got[got != np.sort(rows)[i]]
+        found += len(set(want.tolist()) & set(got[:k].tolist()))
+    return found / (k * len(queries))
+
+
+@dataclass
+class CatalogueIndex:
+    """A faiss index, its id map (`path`, `label`, `row`: row i of the index is catalogue item i) and its
+    record (`meta`: type, dim, count, model_sha256, recall@10, parameters)."""
+
+    index: faiss.Index
+    ids: pd.DataFrame
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, embeddings: Any, ids: pd.DataFrame, cfg: IndexConfig, model_sha256: str = "",
+              queries: Any = None) -> CatalogueIndex:
+        """Index `embeddings` (row i is `ids` row i: columns path, label) and measure its recall@10 against
+        exact search on held-out queries (`queries`, else a sample of the catalogue)."""
+        x = unit_rows(embeddings, "embeddings")
+        if len(x) != len(ids):
+            raise ValueError(f"{len(x)} embeddings but {len(ids)} id rows")
+        if not len(x):
+            raise ValueError("the catalogue is empty: nothing to index")
+        kind = effective_type(cfg, len(x))
+        index, params = build_faiss(x, cfg, kind)
+        recall = recall_at_k(index, x, queries, RECALL_K, cfg.recall_queries, cfg.seed)
+        log.info("index: %s over %d x %d, recall@%d %.4f of exact", kind, len(x), x.shape[1], RECALL_K, recall)
+        meta = {"format": FORMAT, "type": kind, "requested_type": cfg.type, "dim": int(x.shape[1]),
+                "count": len(x), "model_sha256": model_sha256, f"recall@{RECALL_K}": recall,
+                "recall_measured_on": len(x), "params": params}
+        return cls(index, _id_map(ids, 0), meta)
+
+    @property
+    def count(self) -> int:
+        return int(self.index.ntotal)
+
+    @property
+    def dim(self) -> int:
+        return int(self.index.d)
+
+    def search(self, query_emb: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(scores float32 [Nq, k'], rows int64 [Nq, k']) best first, k' = min(k, count); a row of -1 marks
+        a slot an approximate index could not fill."""
+        if k < 1:
+            raise ValueError(f"k must be at least 1, got {k}")
+        q = unit_rows(query_emb, "queries")
+        if q.shape[1] != self.dim:
+            raise IndexMismatch(f"queries have dimension {q.shape[1]}, the index {self.dim}")
+        return self.index.search(q, min(int(k), self.count))
+
+    def check_model(self, sha256: str) -> None:
+        """Refuse to serve this index with a model other than the one that embedded it."""
+        built = self.meta.get("model_sha256")
+        if built and sha256 and built != sha256:
+            raise IndexMismatch(f"the index was built with model sha256 {built[:12]}..., not with the model "
+                                f"being served ({sha256[:12]}...): rebuild it (`xbn index`)")
+
+    def missing(self, paths: Any) -> np.ndarray:
+        """Boolean mask of `paths` not yet in the catalogue: what `append` would add, so only they need
+        embedding."""
+        return ~pd.Series(paths, dtype=str).isin(set(self.ids["path"])).to_numpy()
+
+    def append(self, embeddings: Any, ids: pd.DataFrame) -> int:
+        """Add rows whose path is not in the catalogue yet (others, and repeats within `ids`, are skipped);
+        returns how many were added. The index keeps its type and trained quantizer: a catalogue that has
+        grown far past what it was built from is better rebuilt."""
+        x = unit_rows(embeddings, "embeddings")
+        if len(x) != len(ids):
+            raise ValueError(f"{len(x)} embeddings but {len(ids)} id rows")
+        if len(x) and x.shape[1] != self.dim:
+            raise IndexMismatch(f"new embeddings have dimension {x.shape[1]}, the index {self.dim}")
+        keep = self.missing(ids["path"]) & ~ids["path"].astype(str).duplicated().to_numpy()
+        if keep.any():
+            first = self.count
+            self.index.add(np.ascontiguousarray(x[keep]))
+            self.ids = pd.concat([self.ids, _id_map(ids[keep], first)], ignore_index=True)
+            self.meta["count"] = self.count
+        log.info("index: %d row(s) appended, %d already present", int(keep.sum()), int((~keep).sum()))
+        return int(keep.sum())
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the three files atomically, `index.json` last (it names the other two's bytes)."""
+        directory = Path(directory)
+        with atomic_path(directory / INDEX_FILE) as tmp:
+            faiss.write_index(self.index, str(tmp))
+        with atomic_path(directory / IDS_FILE) as tmp:
+            self.ids.to_parquet(tmp, index=False)
+        meta = {**self.meta, "count": self.count, "dim": self.dim,
+                "sha256": {name: file_digest(directory / name) for name in (INDEX_FILE, IDS_FILE)}}
+        write_json(directory / META_FILE, meta)
+        self.meta = meta
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path) -> CatalogueIndex:
+        """Read a saved index, checking that its files are the ones its `index.json` records."""
+        import json
+
+        directory = Path(directory)
+        try:
+            meta = json.loads((directory / META_FILE).read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no index at {directory} (no {META_FILE}): run `xbn index` first") from None
+        if meta.get("format") != FORMAT:
+            raise IndexMismatch(f"{directory / META_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}")
+        for name, digest in meta.get("sha256", {}).items():
+            if file_digest(directory / name) != digest:
+                raise IndexMismatch(f"{directory / name} is not the file {META_FILE} records (sha256 differs): "
+                                    "a write was interrupted or the folder was altered; rebuild the index")
+        index = faiss.read_index(str(directory / INDEX_FILE))
+        set_search_params(index, meta.get("params", {}))
+        ids = pd.read_parquet(directory / IDS_FILE)
+        if not (index.ntotal == len(ids) == meta["count"]):
+            raise IndexMismatch(f"{directory}: index holds {index.ntotal} rows, id map {len(ids)}, "
+                                f"{META_FILE} says {meta['count']}")
+        return cls(index, ids, meta)
+
+
+def _id_map(ids: pd.DataFrame, first_row: int) -> pd.DataFrame:
+    labels = ids["label"] if "label" in ids.columns else pd.Series([None] * len(ids))
+    return pd.DataFrame({
+        "path": ids["path"].astype(str).to_numpy(),
+        "label": [None if pd.isna(v) else str(v) for v in labels],
+        "row": np.arange(first_row, first_row + len(ids), dtype=np.int64),
+    })
+
+
+def build_catalogue(model: ServedModel, frame: pd.DataFrame, root: str | Path, cfg: IndexConfig,
+                    queries: Any = None, num_workers: int = 0) -> CatalogueIndex:
+    """Embed the catalogue rows `frame` (path relative to `root`, label) with `model` and index them;
+    unreadable images are left out (logged by name) and recorded in `meta["skipped"]`."""
+    emb, kept, skipped = model.embed_frame(frame, root, cfg.batch_size, num_workers)
+    catalogue = CatalogueIndex.build(emb, frame.iloc[kept], cfg, model.sha256, queries)
+    catalogue.meta["skipped"] = skipped
+    return catalogue
+
+
+def append_catalogue(catalogue: CatalogueIndex, model: ServedModel, frame: pd.DataFrame, root: str | Path,
+                     batch_size: int = 64, num_workers: int = 0) -> int:
+    """Add the rows of `frame` not yet in the catalogue, embedding only those; returns how many were added."""
+    catalogue.check_model(model.sha256)
+    new = frame[catalogue.missing(frame["path"])]
+    emb, kept, skipped = model.embed_frame(new, root, batch_size, num_workers)
+    catalogue.meta["skipped"] = sorted({*catalogue.meta.get("skipped", []), *skipped})
+    return catalogue.append(emb, new.iloc[kept])

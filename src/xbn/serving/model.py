@@ -1,0 +1,123 @@
+"""The served embedder: a loaded checkpoint with the eval transform it was trained with, and the one way the
+serving code turns images (files, uploaded bytes, manifest rows) into embeddings.
+
+A checkpoint records the backbone's mean/std but not the image size it was trained at (`data.image_size`, or
+the `image_size` a registered version records in its pyfunc metadata), so the size is passed in.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from xbn.data import build_transform
+from xbn.data.images import open_rgb, to_rgb
+from xbn.evaluation.embed import embed, image_loader
+from xbn.models import load_embedder
+from xbn.utils.io import file_digest
+
+
+class UnreadableImage(ValueError):
+    """An image that cannot be decoded; the message names the file (or upload) and says why."""
+
+
+class EmbeddedRows(NamedTuple):
+    """Row i of `embeddings` is the frame's row at position `kept[i]`; `skipped` are the unreadable paths."""
+
+    embeddings: np.ndarray
+    kept: list[int]
+    skipped: list[str]
+
+
+@dataclass
+class ServedModel:
+    """An embedder in eval mode and what serving needs around it."""
+
+    model: torch.nn.Module
+    transform: Any  # RGB PIL image -> normalised (3, S, S) tensor, as at evaluation
+    image_size: int
+    embedding_dim: int
+    sha256: str  # of the checkpoint file: ties an index to the model that built it
+    device: torch.device
+    data_config: dict[str, Any]
+
+    @torch.inference_mode()
+    def embed_tensors(self, batch: torch.Tensor) -> np.ndarray:
+        """float32 [N, D] unit-norm embeddings of a preprocessed batch."""
+        if not len(batch):
+            return np.empty((0, self.embedding_dim), dtype=np.float32)
+        return self.model(batch.to(self.device)).float().cpu().numpy()
+
+    def embed_images(self, images: Sequence[Image.Image], batch_size: int = 64) -> np.ndarray:
+        """Embeddings of RGB PIL images, in order, `batch_size` at a time (bounds peak memory)."""
+        chunks = [self.embed_tensors(torch.stack([self.transform(im) for im in images[i:i + batch_size]]))
+                  for i in range(0, len(images), batch_size)]
+        return np.concatenate(chunks) if chunks else np.empty((0, self.embedding_dim), dtype=np.float32)
+
+    def embed_frame(self, frame: pd.DataFrame, root: str | Path, batch_size: int = 64,
+                    num_workers: int = 0) -> EmbeddedRows:
+        """Embeddings of the manifest-format rows of `frame` (paths relative to `root`); unreadable images are
+        left out and named (`ImageDataset` logs each with its error)."""
+        if frame.empty:
+            return EmbeddedRows(np.empty((0, self.embedding_dim), dtype=np.float32), [], [])
+        loader = image_loader(frame, root, np.zeros(len(frame), dtype=np.int64), self.transform, batch_size,
+                              num_workers, self.device, skip_unreadable=True)
+        kept: list[int] = []
+        # amp off: embeddings must not depend on the machine (bfloat16 on CUDA only) for an index to be reused.
+        emb, _ = embed(self.model, loader, self.device, amp=False, kept=kept)
+        if not kept:
+            emb = np.empty((0, self.embedding_dim), dtype=np.float32)
+        kept_set = set(kept)
+        return EmbeddedRows(emb, kept, [p for i, p in enumerate(frame["path"].astype(str)) if i not in kept_set])
+
+
+def load_served_model(path: str | Path, image_size: int, device: str | torch.device = "cpu") -> ServedModel:
+    """The embedder checkpoint at `path` (as `xbn train` writes models/model.pt), served at `image_size`."""
+    device = torch.device(device)
+    model, data_config, _ = load_embedder(path, map_location=device)
+    return served(model, data_config, image_size, file_digest(path), device)
+
+
+def served(model: torch.nn.Module, data_config: dict[str, Any], image_size: int, sha256: str = "",
+           device: str | torch.device = "cpu") -> ServedModel:
+    """Wrap an in-memory embedder (e.g. the one `xbn register` just evaluated) for serving."""
+    transform = build_transform(image_size, training=False, mean=data_config["mean"], std=data_config["std"])
+    return ServedModel(model.eval(), transform, int(image_size), int(model.embedding_dim), sha256,
+                       torch.device(device), dict(data_config))
+
+
+def open_image(path: str | Path) -> Image.Image:
+    """An image file as RGB, or `UnreadableImage` naming it (missing, not an image, truncated)."""
+    try:
+        return open_rgb(path)
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
+        raise UnreadableImage(f"cannot read image {path}: {_reason(exc)}") from exc
+
+
+def decode_image(data: bytes, name: str = "upload") -> Image.Image:
+    """Uploaded bytes as an RGB image, or `UnreadableImage` saying what is wrong with them."""
+    if not data:
+        raise UnreadableImage(f"{name} is empty")
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return to_rgb(image)  # decodes every pixel: a truncated file fails here, not later
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError, SyntaxError) as exc:
+        raise UnreadableImage(f"{name} is not a readable image: {_reason(exc)}") from exc
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, UnidentifiedImageError):
+        return "not an image format PIL can identify"
+    if isinstance(exc, FileNotFoundError):
+        return "no such file"
+    text = str(exc)
+    if "truncated" in text.lower() or "image file is truncated" in text:
+        return f"truncated image ({text})"
+    return text or type(exc).__name__

@@ -1,0 +1,76 @@
+"""Shared fixtures: a tiny real embedder saved as `xbn train` saves it, and a folder of real PNG images."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from PIL import Image
+
+IMAGE_SIZE = 32
+CLASSES, PER_CLASS = 6, 4
+
+
+def save_tiny_model(path: Path, seed: int) -> Path:
+    from xbn.config import ModelConfig
+    from xbn.models import build_embedder, save_embedder
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(backbone="test_efficientnet", pretrained="none", embedding_dim=16)
+    model, data_config = build_embedder(cfg)
+    save_embedder(path, model, cfg, data_config)
+    return path
+
+
+def draw(path: Path, colour: tuple[int, int, int], seed: int, mode: str = "RGB") -> Path:
+    """A noisy image of one dominant colour (the class), so classes embed apart even untrained."""
+    rng = np.random.default_rng(seed)
+    pixels = np.clip(np.array(colour)[None, None] + rng.normal(0, 25, (40, 48, 3)), 0, 255).astype(np.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels).convert(mode).save(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("model") / "model.pt", seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_model_path(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("model2") / "model.pt", seed=1)
+
+
+@pytest.fixture(scope="session")
+def served(model_path):
+    from xbn.serving.model import load_served_model
+
+    return load_served_model(model_path, IMAGE_SIZE)
+
+
+@pytest.fixture(scope="session")
+def image_root(tmp_path_factory) -> Path:
+    """CLASSES x PER_CLASS images under class folders, and a manifest CSV (all rows `test`) beside them."""
+    root = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    rows = []
+    for c in range(CLASSES):
+        colour = tuple(int(v) for v in rng.integers(0, 256, 3))
+        for i in range(PER_CLASS):
+            rel = f"class{c}/img{i}.png"
+            draw(root / rel, colour, seed=c * 100 + i, mode="L" if (c + i) % 5 == 0 else "RGB")
+            rows.append({"path": rel, "label": f"class{c}", "split": "test"})
+    pd.DataFrame(rows).to_csv(root / "manifest.csv", index=False)
+    return root
+
+
+@pytest.fixture
+def broken_image(tmp_path) -> Path:
+    """A PNG cut short: its header says image, its pixels are missing."""
+    full = draw(tmp_path / "whole.png", (10, 200, 30), seed=7)
+    cut = tmp_path / "truncated.png"
+    cut.write_bytes(full.read_bytes()[: full.stat().st_size // 2])
+    return cut
