@@ -74,3 +74,15 @@ def broken_image(tmp_path) -> Path:
     cut = tmp_path / "truncated.png"
     cut.write_bytes(full.read_bytes()[: full.stat().st_size // 2])
     return cut
+
+
+@pytest.fixture(autouse=True)
+def one_faiss_thread():
+    """faiss's OpenMP threads spin-wait: on a loaded 2-core machine two of them train k-means several times
+    slower than one. One thread keeps these small indexes fast and their timing steady."""
+    import faiss
+
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    yield
+    faiss.omp_set_num_threads(before)

@@ -49,9 +49,9 @@ def test_flat_recall_is_one_and_search_matches_brute_force():
     ("hnsw", {"hnsw_m": 16, "ef_search": 32}),
 ])
 def test_approximate_types_measure_their_recall(kind, extra):
-    x = clustered(3000)
+    x = clustered(1500)
     cfg = IndexConfig(type=kind, min_rows_approx=0, recall_queries=200, **extra)
-    idx = CatalogueIndex.build(x, ids_for(3000), cfg)
+    idx = CatalogueIndex.build(x, ids_for(1500), cfg)
     assert idx.meta["type"] == kind and idx.meta["params"]["nprobe" if "nprobe" in extra else "ef_search"]
     recall = idx.meta["recall@10"]
     assert 0.2 < recall <= 1.0
@@ -93,13 +93,13 @@ def test_config_refuses_unknown_type_and_keys():
 
 @pytest.mark.parametrize("kind", ["flat", "ivf_pq", "hnsw"])
 def test_saved_and_loaded_index_searches_identically(tmp_path, kind):
-    x = clustered(2000, seed=1)
+    x = clustered(1000, seed=1)
     cfg = IndexConfig(type=kind, min_rows_approx=0, nlist=16, nprobe=3, pq_m=8, pq_nbits=4, ef_search=20)
-    idx = CatalogueIndex.build(x, ids_for(2000), cfg, model_sha256="ab" * 32)
+    idx = CatalogueIndex.build(x, ids_for(1000), cfg, model_sha256="ab" * 32)
     idx.save(tmp_path / "index")
     assert sorted(p.name for p in (tmp_path / "index").iterdir()) == ["ids.parquet", "index.faiss", "index.json"]
     meta = json.loads((tmp_path / "index" / "index.json").read_text())
-    assert meta["model_sha256"] == "ab" * 32 and meta["count"] == 2000 and meta["type"] == kind
+    assert meta["model_sha256"] == "ab" * 32 and meta["count"] == 1000 and meta["type"] == kind
     assert "recall@10" in meta
     loaded = CatalogueIndex.load(tmp_path / "index")
     queries = clustered(50, seed=9)

@@ -1,0 +1,89 @@
+"""The batch embedding job: parquet output, resume after an interruption, unreadable files named."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from xbn.serving.embed_job import embed_to_parquet, read_embeddings, work_dir
+from xbn.serving.sources import read_source
+
+
+class Interrupted(Exception):
+    pass
+
+
+def stop_after(chunks: int):
+    def on_chunk(done, total):
+        if done == chunks:
+            raise Interrupted
+    return on_chunk
+
+
+def test_csv_to_parquet(served, image_root, tmp_path):
+    out = tmp_path / "emb.parquet"
+    report = embed_to_parquet(served, image_root / "manifest.csv", out, chunk_size=7, batch_size=4, progress=False)
+    table = pq.read_table(out)
+    assert table.column_names == ["path", "label", "embedding"]
+    assert table.schema.field("embedding").type == pa.list_(pa.float32())
+    frame, emb = read_embeddings(out)
+    assert report.rows == len(frame) == 24 and emb.shape == (24, 16)
+    assert frame["label"].tolist()[:4] == ["class0"] * 4
+    np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
+    # The same numbers as embedding the rows in one go.
+    rows, root = read_source(image_root / "manifest.csv")
+    np.testing.assert_allclose(emb, served.embed_frame(rows, root).embeddings, atol=1e-5)
+    assert not work_dir(out).exists()
+
+
+def test_folder_has_no_label_column(served, image_root, tmp_path):
+    out = tmp_path / "emb.parquet"
+    embed_to_parquet(served, image_root, out, progress=False)
+    frame, emb = read_embeddings(out)
+    assert frame.columns.tolist() == ["path"] and len(frame) == 24 and frame["path"][0] == "class0/img0.png"
+
+
+def test_resume_after_interruption_gives_the_same_file(served, image_root, tmp_path):
+    whole = tmp_path / "whole.parquet"
+    embed_to_parquet(served, image_root / "manifest.csv", whole, chunk_size=5, progress=False)
+
+    out = tmp_path / "resumed.parquet"
+    with pytest.raises(Interrupted):
+        embed_to_parquet(served, image_root / "manifest.csv", out, chunk_size=5, progress=False,
+                         on_chunk=stop_after(3))
+    assert not out.exists()  # no partial output
+    assert len(list(work_dir(out).glob("chunk-*.parquet"))) == 3
+    embedded = []
+    report = embed_to_parquet(served, image_root / "manifest.csv", out, chunk_size=5, progress=False,
+                              on_chunk=lambda done, total: embedded.append(done))
+    assert report.chunks_resumed == 3 and embedded == [4, 5]  # only the missing chunks ran
+    assert pq.read_table(out).equals(pq.read_table(whole))
+    assert pq.read_table(out).schema.metadata == pq.read_table(whole).schema.metadata
+
+
+def test_chunks_of_another_plan_are_discarded(served, other_model_path, image_root, tmp_path):
+    from xbn.serving.model import load_served_model
+
+    out = tmp_path / "emb.parquet"
+    other = load_served_model(other_model_path, 32)
+    with pytest.raises(Interrupted):
+        embed_to_parquet(other, image_root / "manifest.csv", out, chunk_size=5, progress=False,
+                         on_chunk=stop_after(2))
+    embed_to_parquet(served, image_root / "manifest.csv", out, chunk_size=5, progress=False)
+    _, emb = read_embeddings(out)
+    rows, root = read_source(image_root / "manifest.csv")
+    np.testing.assert_allclose(emb, served.embed_frame(rows, root).embeddings, atol=1e-5)
+
+
+def test_unreadable_files_are_reported_by_name(served, image_root, broken_image, tmp_path):
+    folder = tmp_path / "imgs"
+    shutil.copytree(image_root / "class1", folder / "class1")
+    shutil.copy(broken_image, folder / "broken.png")
+    out = tmp_path / "emb.parquet"
+    report = embed_to_parquet(served, folder, out, progress=False)
+    assert report.skipped == ["broken.png"] and report.rows == 4
+    assert b"broken.png" in pq.read_table(out).schema.metadata[b"xbn.skipped"]
