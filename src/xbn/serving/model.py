@@ -25,7 +25,12 @@ from xbn.utils.io import file_digest
 
 
 class UnreadableImage(ValueError):
-    """An image that cannot be decoded; the message names the file (or upload) and says why."""
+    """An image that cannot be decoded; the message names the file (or upload) and says why. `too_large`:
+    refused for its size, not its content."""
+
+    def __init__(self, message: str, too_large: bool = False) -> None:
+        super().__init__(message)
+        self.too_large = too_large
 
 
 class EmbeddedRows(NamedTuple):
@@ -101,12 +106,17 @@ def open_image(path: str | Path) -> Image.Image:
         raise UnreadableImage(f"cannot read image {path}: {_reason(exc)}") from exc
 
 
-def decode_image(data: bytes, name: str = "upload") -> Image.Image:
-    """Uploaded bytes as an RGB image, or `UnreadableImage` saying what is wrong with them."""
+def decode_image(data: bytes, name: str = "upload", max_pixels: int | None = None) -> Image.Image:
+    """Uploaded bytes as an RGB image, or `UnreadableImage` saying what is wrong with them. `max_pixels` is
+    checked on the header, before any pixel is decoded (a few kB of PNG can decode to gigabytes)."""
     if not data:
         raise UnreadableImage(f"{name} is empty")
     try:
         with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            if max_pixels is not None and width * height > max_pixels:
+                raise UnreadableImage(f"{name} is {width}x{height} pixels, over the limit of {max_pixels}",
+                                      too_large=True)
             return to_rgb(image)  # decodes every pixel: a truncated file fails here, not later
     except (OSError, UnidentifiedImageError, Image.DecompressionBombError, SyntaxError) as exc:
         raise UnreadableImage(f"{name} is not a readable image: {_reason(exc)}") from exc

@@ -1,0 +1,325 @@
+"""The HTTP endpoint: `POST /search`, `POST /embed`, `GET /health` over a model and its catalogue index.
+
+What is served comes from a `ModelSource`: `version()` says cheaply which version it would serve now, `load()`
+loads it (model and index). The app loads at start-up and then follows the source, polling every
+`poll_interval_s` and on SIGHUP (when the server runs in the main thread), so a promotion or a rollback of the
+registry alias is picked up without a restart. A load that fails leaves the previous version serving.
+`LocalModelSource` serves a checkpoint file and an index folder; `RegistryModelSource` follows an alias of the
+model registry.
+
+Access: with a token configured (environment variable `XBN_SERVE_TOKEN`, or a file named by
+`XBN_SERVE_TOKEN_FILE`; never a command-line argument, which `ps` shows), every route but `/health` answers 401
+without `Authorization: Bearer <token>`. `serve` binds 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol
+
+import uvicorn
+from fastapi import FastAPI, File, Form, HTTPException, Request, UploadFile
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from xbn.serving.index import CatalogueIndex
+from xbn.serving.model import ServedModel, UnreadableImage, decode_image, load_served_model
+from xbn.serving.search import neighbours
+from xbn.utils.io import file_digest
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV, TOKEN_FILE_ENV = "XBN_SERVE_TOKEN", "XBN_SERVE_TOKEN_FILE"
+OPEN_PATHS = frozenset({"/health"})  # reachable without the token: a load balancer's probe has none
+_FORM_OVERHEAD = 64 * 1024  # multipart boundaries and the k field around the image bytes
+
+
+class ServeConfig(BaseModel):
+    """The `serve` params section."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    alias: str = "champion"  # the registry alias followed
+    poll_interval_s: float = Field(30.0, ge=0)  # 0: no polling (SIGHUP still reloads)
+    max_upload_bytes: int = Field(10 * 1024 * 1024, ge=1)
+    max_pixels: int = Field(40_000_000, ge=1)  # a small file can decode to a huge picture
+    default_k: int = Field(10, ge=1)
+    max_k: int = Field(100, ge=1)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """One version being served."""
+
+    version: str
+    model: ServedModel
+    index: CatalogueIndex
+    name: str
+    alias: str | None = None
+
+
+class ModelSource(Protocol):
+    def version(self) -> str | None:
+        """The version `load` would return now (cheap: it is asked every poll); None when there is none."""
+
+    def load(self) -> Loaded:
+        """Load the current version's model and index."""
+
+
+class LocalModelSource:
+    """A checkpoint file and an index folder on disk; their content is the version, so replacing either file
+    (atomically, as `xbn train` and `xbn index` write them) is picked up by the next poll."""
+
+    def __init__(self, model_path: str | Path, index_dir: str | Path, image_size: int, name: str = "local",
+                 device: str = "cpu") -> None:
+        self.model_path, self.index_dir = Path(model_path), Path(index_dir)
+        self.image_size, self.name, self.device = image_size, name, device
+
+    def version(self) -> str | None:
+        try:
+            return f"{file_digest(self.model_path)[:12]}-{file_digest(self.index_dir / 'index.json')[:12]}"
+        except FileNotFoundError:
+            return None
+
+    def load(self) -> Loaded:
+        # Versioned before loading: if a file is replaced meanwhile, the next poll sees a new version and
+        # loads again, rather than this load being recorded under the newer name.
+        version = self.version()
+        if version is None:
+            raise FileNotFoundError(f"no model at {self.model_path} or no index at {self.index_dir}")
+        return _loaded(version, load_served_model(self.model_path, self.image_size, self.device),
+                       CatalogueIndex.load(self.index_dir), self.name, None)
+
+
+class RegistryModelSource:
+    """The version of `registry` (an `xbn.tracking.Registry`: `name`, `by_alias`, `checkpoint`) that holds
+    `alias`. `fetch_index(version_info, directory) -> index folder` downloads the version's index artifact;
+    it is passed in so that this module needs no MLflow. Files go to `cache_dir/v<version>/`."""
+
+    def __init__(self, registry: Any, fetch_index: Callable[[Any, Path], Path], cache_dir: str | Path,
+                 alias: str = "champion", image_size: int | None = None, device: str = "cpu") -> None:
+        self.registry, self.fetch_index, self.cache_dir = registry, fetch_index, Path(cache_dir)
+        self.alias, self.image_size, self.device = alias, image_size, device
+
+    def version(self) -> str | None:
+        info = self.registry.by_alias(self.alias)
+        return None if info is None else str(info.version)
+
+    def load(self) -> Loaded:
+        info = self.registry.by_alias(self.alias)
+        if info is None:
+            raise LookupError(f"{self.registry.name} has no version with alias '{self.alias}'")
+        where = self.cache_dir / f"v{info.version}"
+        checkpoint = self.registry.checkpoint(info, where)  # sha256-verified against the tracking store
+        size = self.image_size or checkpoint.image_size
+        if size is None:
+            raise ValueError(f"{self.registry.name} v{info.version} records no image size: pass image_size")
+        model = load_served_model(checkpoint.path, size, self.device)
+        return _loaded(str(info.version), model, CatalogueIndex.load(self.fetch_index(info, where)),
+                       self.registry.name, self.alias)
+
+
+def _loaded(version: str, model: ServedModel, index: CatalogueIndex, name: str, alias: str | None) -> Loaded:
+    index.check_model(model.sha256)  # never serve an index with a model that did not embed it
+    return Loaded(version, model, index, name, alias)
+
+
+class Holder:
+    """The version being served, swapped whole (one reference) when the source moves on."""
+
+    def __init__(self, source: ModelSource) -> None:
+        self.source = source
+        self.current: Loaded | None = None
+        self.error: str | None = None
+        self._lock = threading.Lock()  # one load at a time (poll and SIGHUP may coincide)
+
+    def refresh(self) -> bool:
+        """Load the source's version if it differs from the one served; True when it switched."""
+        with self._lock:
+            try:
+                version = self.source.version()
+                if version is None:
+                    raise LookupError("the model source has no version to serve")
+                if self.current is not None and version == self.current.version:
+                    return False
+                loaded = self.source.load()
+            except Exception as exc:  # keep serving what is loaded; /health shows the error
+                self.error = f"{type(exc).__name__}: {exc}"
+                log.error("model reload failed, still serving %s: %s",
+                          self.current.version if self.current else "nothing", self.error)
+                return False
+            before, self.current, self.error = self.current, loaded, None
+        log.info("serving %s version %s (index of %d) instead of %s", loaded.name, loaded.version,
+                 loaded.index.count, before.version if before else "nothing")
+        return True
+
+    def require(self) -> Loaded:
+        current = self.current
+        if current is None:
+            raise HTTPException(503, f"no model loaded yet ({self.error or 'loading'})")
+        return current
+
+
+def token_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The configured bearer token, or None when access is open. A token file that is named but missing or
+    empty is an error: failing closed beats serving openly by accident."""
+    token, file = environ.get(TOKEN_ENV), environ.get(TOKEN_FILE_ENV)
+    if token is not None and file is not None:
+        raise ValueError(f"set {TOKEN_ENV} or {TOKEN_FILE_ENV}, not both")
+    if file is not None:
+        try:
+            token = Path(file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"{TOKEN_FILE_ENV}={file}: cannot read the token file ({exc})") from exc
+        if not token:
+            raise ValueError(f"{TOKEN_FILE_ENV}={file}: the token file is empty")
+    elif token is not None and not token.strip():
+        raise ValueError(f"{TOKEN_ENV} is set but empty")
+    return token.strip() if token else None
+
+
+def create_app(model_source: ModelSource, config: ServeConfig | None = None, *,
+               token: str | None | type[Ellipsis] = ...) -> FastAPI:
+    """The FastAPI app serving `model_source`. `token`: the bearer token, None for open access; by default
+    read from the environment (`token_from_env`)."""
+    cfg = config or ServeConfig()
+    if cfg.default_k > cfg.max_k:
+        raise ValueError(f"default_k ({cfg.default_k}) exceeds max_k ({cfg.max_k})")
+    secret = token_from_env() if token is ... else token
+    holder = Holder(model_source)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await run_in_threadpool(holder.refresh)
+        background: set[asyncio.Task] = set()
+        if cfg.poll_interval_s > 0:
+            background.add(asyncio.create_task(_poll(holder, cfg.poll_interval_s)))
+        loop = asyncio.get_running_loop()
+        try:
+            loop.add_signal_handler(signal.SIGHUP, lambda: _spawn(background, run_in_threadpool(holder.refresh)))
+            hup = True
+        except (ValueError, RuntimeError, NotImplementedError, AttributeError):  # not the main thread
+            hup = False
+            log.info("SIGHUP reload unavailable here (server not in the main thread); polling only")
+        yield
+        if hup:
+            loop.remove_signal_handler(signal.SIGHUP)
+        for task in background:
+            task.cancel()
+
+    app = FastAPI(title="xbn image search", lifespan=lifespan)
+    app.state.holder = holder
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if secret is not None and request.url.path not in OPEN_PATHS and not _authorised(request, secret):
+            return JSONResponse({"detail": "missing or wrong bearer token: send 'Authorization: Bearer <token>'"},
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > cfg.max_upload_bytes + _FORM_OVERHEAD:
+            return JSONResponse({"detail": _too_large(cfg)}, status_code=413)  # refused before it is read
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        return JSONResponse({"detail": "; ".join(_explain(e) for e in exc.errors())}, status_code=422)
+
+    async def embedding(image: UploadFile) -> tuple[Loaded, Any]:
+        loaded = holder.require()
+        data = await image.read(cfg.max_upload_bytes + 1)
+        if len(data) > cfg.max_upload_bytes:
+            raise HTTPException(413, _too_large(cfg))
+
+        def work():
+            try:
+                picture = decode_image(data, f"upload {image.filename!r}", cfg.max_pixels)
+            except UnreadableImage as exc:
+                raise HTTPException(413 if exc.too_large else 400, str(exc)) from None
+            return loaded.model.embed_images([picture])
+
+        return loaded, await run_in_threadpool(work)
+
+    @app.post("/search")
+    async def search(image: UploadFile = File(..., description="the query image"),
+                     k: int = Form(cfg.default_k, ge=1, le=cfg.max_k)) -> dict[str, Any]:
+        loaded, emb = await embedding(image)
+        return {**_about(loaded), "k": k, "results": neighbours(loaded.index, emb, k)[0]}
+
+    @app.post("/embed")
+    async def embed(image: UploadFile = File(..., description="the image to embed")) -> dict[str, Any]:
+        loaded, emb = await embedding(image)
+        return {**_about(loaded), "dim": int(emb.shape[1]), "embedding": emb[0].tolist()}
+
+    @app.get("/health")
+    async def health():
+        current = holder.current
+        if current is None:
+            return JSONResponse({"status": "unavailable", "error": holder.error}, status_code=503)
+        return {"status": "ok", **_about(current), "index_size": current.index.count,
+                "index_type": current.index.meta.get("type"), "embedding_dim": current.model.embedding_dim,
+                "error": holder.error}
+
+    return app
+
+
+def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> uvicorn.Server:
+    """A uvicorn server for `app` (port 0: any free port, see `bound_port`)."""
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                         timeout_graceful_shutdown=5))
+
+
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Run `app` under uvicorn until SIGINT/SIGTERM (SIGHUP reloads the model)."""
+    make_server(app, host, port, log_level).run()
+
+
+def bound_port(server: uvicorn.Server) -> int:
+    return server.servers[0].sockets[0].getsockname()[1]
+
+
+async def _poll(holder: Holder, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        await run_in_threadpool(holder.refresh)
+
+
+def _spawn(tasks: set[asyncio.Task], coroutine) -> None:
+    task = asyncio.ensure_future(coroutine)
+    tasks.add(task)  # a task nobody references can be garbage-collected before it runs
+    task.add_done_callback(tasks.discard)
+
+
+def _authorised(request: Request, secret: str) -> bool:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    # compare_digest: the time taken does not tell how much of the token was right
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), secret.encode())
+
+
+def _about(loaded: Loaded) -> dict[str, Any]:
+    return {"model": loaded.name, "version": loaded.version, "alias": loaded.alias}
+
+
+def _too_large(cfg: ServeConfig) -> str:
+    return f"the image is larger than the upload limit of {cfg.max_upload_bytes} bytes"
+
+
+def _explain(error: Mapping[str, Any]) -> str:
+    """A validation error as one readable phrase: which field, what was wrong, what was sent."""
+    where = ".".join(str(p) for p in error.get("loc", ()) if p not in ("body", "query"))
+    if error.get("type") == "missing":
+        return f"missing form field '{where}'"
+    sent = error.get("input")
+    shown = f" (got {sent!r})" if isinstance(sent, (str, int, float)) else ""
+    return f"{where}: {error.get('msg', 'invalid')}{shown}"
