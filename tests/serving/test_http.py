@@ -166,6 +166,9 @@ def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(deployed, image_root,
         response = client.post("/embed", content=b"x" * 200_000,
                                headers={"content-type": "multipart/form-data; boundary=zz"})
         assert response.status_code == 413
+        chunked = client.post("/search", content=iter([b"--zz\r\n"]),
+                              headers={"content-type": "multipart/form-data; boundary=zz"})
+        assert chunked.status_code == 411 and "Content-Length" in chunked.json()["detail"]
         ok = client.post("/search", files=good, data={"k": "50"})
         assert ok.status_code == 200 and len(ok.json()["results"]) == 24  # k beyond the catalogue: all of it
 

@@ -177,3 +177,17 @@ def test_index_refuses_another_model(served):
     idx = CatalogueIndex.build(clustered(20, dim=16), ids_for(20), IndexConfig(), model_sha256="0" * 64)
     with pytest.raises(IndexMismatch, match="rebuild it"):
         idx.check_model(served.sha256)
+
+
+def test_index_source_builds_then_appends(served, image_root, tmp_path):
+    from xbn.serving.index import index_source
+
+    subset = tmp_path / "subset.csv"
+    full = pd.read_csv(image_root / "manifest.csv")
+    full.iloc[:10].to_csv(subset, index=False)
+    cfg = IndexConfig(source=str(subset), output=str(tmp_path / "index"))
+    assert index_source(served, cfg, root=image_root).count == 10
+    model = CountingModel(served)
+    grown = index_source(model, cfg.model_copy(update={"source": str(image_root / "manifest.csv")}), append=True)
+    assert grown.count == 24 and model.rows == 14
+    assert CatalogueIndex.load(tmp_path / "index").count == 24

@@ -63,3 +63,20 @@ def test_table_and_json(served, catalogue, image_root, broken_image):
     assert lines[1].split() == ["rank", "score", "label", "path"]
     assert lines[2].split()[0] == "1" and lines[2].split()[2:] == ["class3", "class3/img2.png"]
     assert f"error: cannot read image {broken_image}" in table
+
+
+def test_unlabelled_items_answer_label_none_after_a_reload(served, image_root, tmp_path):
+    """A catalogue mixing labelled rows and rows of a folder (no labels): pandas reads the nulls back as NaN."""
+    from xbn.serving.index import CatalogueIndex
+
+    frame, root = read_source(image_root / "manifest.csv")
+    frame.loc[frame["path"].str.startswith("class5/"), "label"] = None
+    build_catalogue(served, frame, root, IndexConfig()).save(tmp_path / "index")
+    loaded = CatalogueIndex.load(tmp_path / "index")
+    [result] = search_images(served, loaded, [image_root / "class5/img0.png"], k=1)
+    assert result["results"][0] == {"path": "class5/img0.png", "label": None, "score": pytest.approx(1.0, abs=1e-4),
+                                    "rank": 1}
+    [result] = search_images(served, loaded, [image_root / "class4/img0.png"], k=1)
+    assert result["results"][0]["label"] == "class4"
+    assert "  1     1.0000  -      class5/img0.png" in format_table(
+        search_images(served, loaded, [image_root / "class5/img0.png"], k=1))

@@ -23,6 +23,7 @@ import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from types import EllipsisType
 from typing import Any, Callable, Mapping, Protocol
 
 import uvicorn
@@ -191,7 +192,7 @@ def token_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
 
 
 def create_app(model_source: ModelSource, config: ServeConfig | None = None, *,
-               token: str | None | type[Ellipsis] = ...) -> FastAPI:
+               token: str | None | EllipsisType = ...) -> FastAPI:
     """The FastAPI app serving `model_source`. `token`: the bearer token, None for open access; by default
     read from the environment (`token_from_env`)."""
     cfg = config or ServeConfig()
@@ -227,9 +228,14 @@ def create_app(model_source: ModelSource, config: ServeConfig | None = None, *,
         if secret is not None and request.url.path not in OPEN_PATHS and not _authorised(request, secret):
             return JSONResponse({"detail": "missing or wrong bearer token: send 'Authorization: Bearer <token>'"},
                                 status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > cfg.max_upload_bytes + _FORM_OVERHEAD:
-            return JSONResponse({"detail": _too_large(cfg)}, status_code=413)  # refused before it is read
+        if request.method == "POST":
+            # The size is checked before the body is read, so a body must say its size: a chunked upload
+            # would be spooled to disk whole before any handler could refuse it.
+            length = request.headers.get("content-length", "")
+            if not length.isdigit():
+                return JSONResponse({"detail": "a Content-Length header is required"}, status_code=411)
+            if int(length) > cfg.max_upload_bytes + _FORM_OVERHEAD:
+                return JSONResponse({"detail": _too_large(cfg)}, status_code=413)
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)

@@ -5,8 +5,8 @@ the evaluation (`xbn.evaluation.knn`). Four types: `flat` (exact), `ivf_flat`, `
 
 Below `min_rows_approx` rows (10 000 by default) an approximate type falls back to flat: IVF-PQ's 8-bit codebooks
 need 256 training points per centroid and faiss asks for 39 per IVF cell, so a smaller catalogue trains them
-badly, while exact search over 10 000 x 512 floats costs about a millisecond per query on one core, so
-approximation has nothing to buy there.
+badly, while exact search over 10 000 x 512 floats takes 1 to 3 ms per query on one core, so approximation
+has little to buy there.
 
 On disk an index is a folder of three files, each written atomically: `index.faiss`, `ids.parquet` (path, label,
 row) and `index.json` (type, dimension, count, the model's sha256, the measured recall@10, and the sha256 of the
@@ -130,21 +130,23 @@ def recall_at_k(index: faiss.Index, references: np.ndarray, queries: np.ndarray 
     (leave-one-out: a query finding itself proves nothing). A flat index scores 1.0.
     """
     references = as_float32_matrix(references, "references")
-    held_out = queries is None
-    if held_out:
-        rows = np.random.default_rng(seed).choice(len(references), min(sample, len(references)), replace=False)
-        queries = references[np.sort(rows)]
+    rows = None
+    if queries is None:
+        rows = np.sort(np.random.default_rng(seed).choice(len(references), min(sample, len(references)),
+                                                          replace=False))
+        queries = references[rows]
     else:
         queries = unit_rows(queries, "queries")
-    k = min(k, len(references) - int(held_out))
+    held_out = int(rows is not None)
+    k = min(k, len(references) - held_out)
     if k < 1 or not len(queries):
         return 1.0  # nothing to rank: no way to miss
-    _, exact = knn_search(queries, references, k, exclude=np.sort(rows) if held_out else None)
-    _, approx = index.search(queries, k + int(held_out))
+    _, exact = knn_search(queries, references, k, exclude=rows)
+    _, approx = index.search(queries, k + held_out)  # one more: the query's own row is dropped below
     found = 0
     for i, (want, got) in enumerate(zip(exact, approx)):
-        if held_out:
-            got = got[got != np.sort(rows)[i]]
+        if rows is not None:
+            got = got[got != rows[i]]
         found += len(set(want.tolist()) & set(got[:k].tolist()))
     return found / (k * len(queries))
 
@@ -290,3 +292,22 @@ def append_catalogue(catalogue: CatalogueIndex, model: ServedModel, frame: pd.Da
     emb, kept, skipped = model.embed_frame(new, root, batch_size, num_workers)
     catalogue.meta["skipped"] = sorted({*catalogue.meta.get("skipped", []), *skipped})
     return catalogue.append(emb, new.iloc[kept])
+
+
+def index_source(model: ServedModel, cfg: IndexConfig, *, manifest: str | Path | None = None,
+                 root: str | Path | None = None, append: bool = False, queries: Any = None,
+                 num_workers: int = 0) -> CatalogueIndex:
+    """What `xbn index [--append]` does: embed `cfg.source` with `model`, build (or, with `append`, extend
+    the index at `cfg.output` without re-embedding what it holds) and save it to `cfg.output`."""
+    from xbn.serving.sources import read_source
+
+    frame, root = read_source(cfg.source, manifest=manifest, root=root)
+    if append and (Path(cfg.output) / META_FILE).exists():
+        catalogue = CatalogueIndex.load(cfg.output)
+        append_catalogue(catalogue, model, frame, root, cfg.batch_size, num_workers)
+    else:
+        if append:
+            log.info("index: nothing at %s to append to, building it", cfg.output)
+        catalogue = build_catalogue(model, frame, root, cfg, queries, num_workers)
+    catalogue.save(cfg.output)
+    return catalogue

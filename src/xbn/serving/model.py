@@ -128,6 +128,6 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, FileNotFoundError):
         return "no such file"
     text = str(exc)
-    if "truncated" in text.lower() or "image file is truncated" in text:
+    if "truncated" in text.lower():
         return f"truncated image ({text})"
     return text or type(exc).__name__

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import pandas as pd
 
 from xbn.serving.index import CatalogueIndex
 from xbn.serving.model import ServedModel, UnreadableImage, open_image
@@ -24,7 +25,8 @@ def neighbours(index: CatalogueIndex, embeddings: np.ndarray, k: int) -> list[li
     """For each embedding, its top-k catalogue items as {path, label, score, rank} (rank 1 = closest)."""
     scores, rows = index.search(embeddings, k)
     paths, labels = index.ids["path"].to_numpy(), index.ids["label"].to_numpy()
-    return [[{"path": str(paths[r]), "label": None if labels[r] is None else str(labels[r]),
+    # pandas reads a label column with some nulls as strings with NaN for the nulls: pd.isna catches both.
+    return [[{"path": str(paths[r]), "label": None if pd.isna(labels[r]) else str(labels[r]),
               "score": round(float(s), 6), "rank": rank}
              for rank, (s, r) in enumerate(zip(row_scores, row_ids), start=1) if r >= 0]
             for row_scores, row_ids in zip(scores, rows)]
