@@ -43,7 +43,7 @@ def test_csv_to_parquet(served, image_root, tmp_path):
 def test_folder_has_no_label_column(served, image_root, tmp_path):
     out = tmp_path / "emb.parquet"
     embed_to_parquet(served, image_root, out, progress=False)
-    frame, emb = read_embeddings(out)
+    frame, _ = read_embeddings(out)
     assert frame.columns.tolist() == ["path"] and len(frame) == 24 and frame["path"][0] == "class0/img0.png"
 
 

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import httpx
 import numpy as np
 import pytest
+from serving_support import IMAGE_SIZE
 
 from xbn.serving.http import (
     Holder,
@@ -34,8 +35,6 @@ from xbn.serving.index import IndexConfig, build_catalogue
 from xbn.serving.model import load_served_model
 from xbn.serving.search import search_images
 from xbn.serving.sources import read_source
-
-from conftest import IMAGE_SIZE
 
 FAST = ServeConfig(poll_interval_s=0.2)
 

@@ -21,10 +21,11 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import EllipsisType
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Protocol
 
 import uvicorn
 from fastapi import FastAPI, File, Form, HTTPException, Request, UploadFile
@@ -156,7 +157,7 @@ class Holder:
                 if self.current is not None and version == self.current.version:
                     return False
                 loaded = self.source.load()
-            except Exception as exc:  # keep serving what is loaded; /health shows the error
+            except Exception as exc:  # noqa: BLE001 -- any failure: keep serving what is loaded, /health shows it
                 self.error = f"{type(exc).__name__}: {exc}"
                 log.error("model reload failed, still serving %s: %s",
                           self.current.version if self.current else "nothing", self.error)
@@ -258,13 +259,15 @@ def create_app(model_source: ModelSource, config: ServeConfig | None = None, *,
         return loaded, await run_in_threadpool(work)
 
     @app.post("/search")
-    async def search(image: UploadFile = File(..., description="the query image"),
+    # Parameter defaults, not Annotated: with postponed annotations FastAPI would evaluate an Annotated hint
+    # in the module's globals, where this closure's `cfg` does not exist.
+    async def search(image: UploadFile = File(..., description="the query image"),  # noqa: B008
                      k: int = Form(cfg.default_k, ge=1, le=cfg.max_k)) -> dict[str, Any]:
         loaded, emb = await embedding(image)
         return {**_about(loaded), "k": k, "results": neighbours(loaded.index, emb, k)[0]}
 
     @app.post("/embed")
-    async def embed(image: UploadFile = File(..., description="the image to embed")) -> dict[str, Any]:
+    async def embed(image: UploadFile = File(..., description="the image to embed")) -> dict[str, Any]:  # noqa: B008
         loaded, emb = await embedding(image)
         return {**_about(loaded), "dim": int(emb.shape[1]), "embedding": emb[0].tolist()}
 

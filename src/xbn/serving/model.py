@@ -8,9 +8,10 @@ the `image_size` a registered version records in its pyfunc metadata), so the si
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd

@@ -12,8 +12,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
