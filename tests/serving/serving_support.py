@@ -1,4 +1,4 @@
-"""Helpers of the serving tests, importable by name (a module called `conftest` is ambiguous across folders)."""
+"""Helpers of the serving tests, importable by name (a `conftest` import is ambiguous across folders)."""
 
 from __future__ import annotations
 

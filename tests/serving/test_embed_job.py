@@ -21,12 +21,15 @@ def stop_after(chunks: int):
     def on_chunk(done, total):
         if done == chunks:
             raise Interrupted
+
     return on_chunk
 
 
 def test_csv_to_parquet(served, image_root, tmp_path):
     out = tmp_path / "emb.parquet"
-    report = embed_to_parquet(served, image_root / "manifest.csv", out, chunk_size=7, batch_size=4, progress=False)
+    report = embed_to_parquet(
+        served, image_root / "manifest.csv", out, chunk_size=7, batch_size=4, progress=False
+    )
     table = pq.read_table(out)
     assert table.column_names == ["path", "label", "embedding"]
     assert table.schema.field("embedding").type == pa.list_(pa.float32())
@@ -53,13 +56,20 @@ def test_resume_after_interruption_gives_the_same_file(served, image_root, tmp_p
 
     out = tmp_path / "resumed.parquet"
     with pytest.raises(Interrupted):
-        embed_to_parquet(served, image_root / "manifest.csv", out, chunk_size=5, progress=False,
-                         on_chunk=stop_after(3))
+        embed_to_parquet(
+            served, image_root / "manifest.csv", out, chunk_size=5, progress=False, on_chunk=stop_after(3)
+        )
     assert not out.exists()  # no partial output
     assert len(list(work_dir(out).glob("chunk-*.parquet"))) == 3
     embedded = []
-    report = embed_to_parquet(served, image_root / "manifest.csv", out, chunk_size=5, progress=False,
-                              on_chunk=lambda done, total: embedded.append(done))
+    report = embed_to_parquet(
+        served,
+        image_root / "manifest.csv",
+        out,
+        chunk_size=5,
+        progress=False,
+        on_chunk=lambda done, total: embedded.append(done),
+    )
     assert report.chunks_resumed == 3 and embedded == [4, 5]  # only the missing chunks ran
     assert pq.read_table(out).equals(pq.read_table(whole))
     assert pq.read_table(out).schema.metadata == pq.read_table(whole).schema.metadata
@@ -71,8 +81,9 @@ def test_chunks_of_another_plan_are_discarded(served, other_model_path, image_ro
     out = tmp_path / "emb.parquet"
     other = load_served_model(other_model_path, 32)
     with pytest.raises(Interrupted):
-        embed_to_parquet(other, image_root / "manifest.csv", out, chunk_size=5, progress=False,
-                         on_chunk=stop_after(2))
+        embed_to_parquet(
+            other, image_root / "manifest.csv", out, chunk_size=5, progress=False, on_chunk=stop_after(2)
+        )
     embed_to_parquet(served, image_root / "manifest.csv", out, chunk_size=5, progress=False)
     _, emb = read_embeddings(out)
     rows, root = read_source(image_root / "manifest.csv")

@@ -47,7 +47,9 @@ def versions(model_path, other_model_path, image_root, tmp_path_factory):
     for name, path in (("a", model_path), ("b", other_model_path)):
         folder = tmp_path_factory.mktemp(f"version_{name}")
         shutil.copy(path, folder / "model.pt")
-        build_catalogue(load_served_model(path, IMAGE_SIZE), frame, root, IndexConfig()).save(folder / "index")
+        build_catalogue(load_served_model(path, IMAGE_SIZE), frame, root, IndexConfig()).save(
+            folder / "index"
+        )
         out[name] = folder
     return out
 
@@ -121,8 +123,12 @@ def test_search_embed_health(deployed, image_root, served):
         got = found.json()["results"]
         assert [r["path"] for r in got] == [r["path"] for r in direct]
         assert [r["score"] for r in got] == pytest.approx([r["score"] for r in direct], abs=1e-5)
-        assert got[0] == {"path": "class3/img1.png", "label": "class3", "score": pytest.approx(1.0, abs=1e-4),
-                          "rank": 1}
+        assert got[0] == {
+            "path": "class3/img1.png",
+            "label": "class3",
+            "score": pytest.approx(1.0, abs=1e-4),
+            "rank": 1,
+        }
 
         assert len(client.post("/search", files=upload(query)).json()["results"]) == 10  # default k
 
@@ -130,8 +136,9 @@ def test_search_embed_health(deployed, image_root, served):
         assert embedded.status_code == 200 and embedded.json()["dim"] == 16
         from xbn.serving.model import open_image
 
-        np.testing.assert_allclose(embedded.json()["embedding"], served.embed_images([open_image(query)])[0],
-                                   atol=1e-5)
+        np.testing.assert_allclose(
+            embedded.json()["embedding"], served.embed_images([open_image(query)])[0], atol=1e-5
+        )
 
 
 def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(deployed, image_root, broken_image):
@@ -143,14 +150,26 @@ def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(deployed, image_root,
     cfg = ServeConfig(poll_interval_s=0, max_upload_bytes=20_000, max_pixels=1_000_000, max_k=50)
     with running(create_app(local_source(deployed), cfg, token=None)) as client:
         cases = [
-            ({"image": ("notes.txt", b"hello, not an image", "text/plain")}, {}, 400,
-             "upload 'notes.txt' is not a readable image: not an image format PIL can identify"),
+            (
+                {"image": ("notes.txt", b"hello, not an image", "text/plain")},
+                {},
+                400,
+                "upload 'notes.txt' is not a readable image: not an image format PIL can identify",
+            ),
             (upload(broken_image), {}, 400, "truncated"),
             ({"image": ("empty.png", b"", "image/png")}, {}, 400, "upload 'empty.png' is empty"),
-            ({"image": ("huge.png", b"\x89PNG" + b"0" * 30_000, "image/png")}, {}, 413,
-             "larger than the upload limit of 20000 bytes"),
-            ({"image": ("wide.png", big.getvalue(), "image/png")}, {}, 413,
-             "is 3000x2000 pixels, over the limit of 1000000"),
+            (
+                {"image": ("huge.png", b"\x89PNG" + b"0" * 30_000, "image/png")},
+                {},
+                413,
+                "larger than the upload limit of 20000 bytes",
+            ),
+            (
+                {"image": ("wide.png", big.getvalue(), "image/png")},
+                {},
+                413,
+                "is 3000x2000 pixels, over the limit of 1000000",
+            ),
             (None, {"k": "3"}, 422, "missing form field 'image'"),
             (good, {"k": "51"}, 422, "k: Input should be less than or equal to 50 (got '51')"),
             (good, {"k": "0"}, 422, "k: Input should be greater than or equal to 1"),
@@ -162,11 +181,15 @@ def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(deployed, image_root,
             assert message in response.json()["detail"]
             assert client.get("/health").status_code == 200
         # A body far over the limit is refused from its Content-Length, before it is read.
-        response = client.post("/embed", content=b"x" * 200_000,
-                               headers={"content-type": "multipart/form-data; boundary=zz"})
+        response = client.post(
+            "/embed", content=b"x" * 200_000, headers={"content-type": "multipart/form-data; boundary=zz"}
+        )
         assert response.status_code == 413
-        chunked = client.post("/search", content=iter([b"--zz\r\n"]),
-                              headers={"content-type": "multipart/form-data; boundary=zz"})
+        chunked = client.post(
+            "/search",
+            content=iter([b"--zz\r\n"]),
+            headers={"content-type": "multipart/form-data; boundary=zz"},
+        )
         assert chunked.status_code == 411 and "Content-Length" in chunked.json()["detail"]
         ok = client.post("/search", files=good, data={"k": "50"})
         assert ok.status_code == 200 and len(ok.json()["results"]) == 24  # k beyond the catalogue: all of it
@@ -176,14 +199,21 @@ def test_bearer_token_guards_every_route_but_health(deployed, image_root):
     good = upload(image_root / "class1/img0.png")
     with running(create_app(local_source(deployed), FAST, token="s3cret-token")) as client:
         assert client.get("/health").status_code == 200
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-token"},
-                        {"Authorization": "Basic s3cret-token"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": "s3cret-token"},
+            {"Authorization": "Basic s3cret-token"},
+        ):
             response = client.post("/search", files=good, headers=headers)
             assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
             assert "Authorization: Bearer <token>" in response.json()["detail"]
         assert client.post("/embed", files=good).status_code == 401
         assert client.get("/docs").status_code == 401
-        assert client.post("/search", files=good, headers={"Authorization": "Bearer s3cret-token"}).status_code == 200
+        assert (
+            client.post("/search", files=good, headers={"Authorization": "Bearer s3cret-token"}).status_code
+            == 200
+        )
 
 
 def test_token_comes_from_the_environment_or_a_file(tmp_path):
@@ -200,7 +230,9 @@ def test_token_comes_from_the_environment_or_a_file(tmp_path):
         token_from_env({"XBN_SERVE_TOKEN_FILE": str(tmp_path / "empty")})
 
 
-def test_poll_follows_a_new_version_and_survives_a_broken_one(deployed, versions, image_root, other_model_path):
+def test_poll_follows_a_new_version_and_survives_a_broken_one(
+    deployed, versions, image_root, other_model_path
+):
     query = image_root / "class2/img2.png"
     with running(create_app(local_source(deployed), FAST, token=None)) as client:
         first = client.get("/health").json()["version"]
@@ -282,13 +314,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_binds_localhost_reads_a_token_file_and_reloads_on_sighup(deployed, versions, image_root,
-                                                                          tmp_path):
+def test_serve_binds_localhost_reads_a_token_file_and_reloads_on_sighup(
+    deployed, versions, image_root, tmp_path
+):
     port = free_port()
     (tmp_path / "token").write_text("file-token\n")
     script = textwrap.dedent(f"""
         from xbn.serving.http import LocalModelSource, ServeConfig, create_app, serve
-        source = LocalModelSource({str(deployed / 'model.pt')!r}, {str(deployed / 'index')!r}, {IMAGE_SIZE})
+        source = LocalModelSource({str(deployed / "model.pt")!r}, {str(deployed / "index")!r}, {IMAGE_SIZE})
         serve(create_app(source, ServeConfig(poll_interval_s=0)), port={port}, log_level="warning")
     """)
     env = {**os.environ, "XBN_SERVE_TOKEN_FILE": str(tmp_path / "token")}
@@ -296,6 +329,7 @@ def test_serve_binds_localhost_reads_a_token_file_and_reloads_on_sighup(deployed
     process = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+
             def health():
                 try:
                     return client.get("/health")
@@ -306,7 +340,9 @@ def test_serve_binds_localhost_reads_a_token_file_and_reloads_on_sighup(deployed
             first = wait_for(health, timeout=60).json()["version"]
             query = upload(image_root / "class0/img1.png")
             assert client.post("/search", files=query).status_code == 401
-            assert client.post("/search", files=query, headers={"Authorization": "Bearer file-token"}).is_success
+            assert client.post(
+                "/search", files=query, headers={"Authorization": "Bearer file-token"}
+            ).is_success
             install(versions["b"], deployed)
             time.sleep(0.5)
             assert client.get("/health").json()["version"] == first  # no polling: only the signal reloads

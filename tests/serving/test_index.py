@@ -28,8 +28,12 @@ def clustered(n: int, dim: int = 32, centres: int = 50, seed: int = 0) -> np.nda
 
 
 def ids_for(n: int, start: int = 0) -> pd.DataFrame:
-    return pd.DataFrame({"path": [f"img/{i}.png" for i in range(start, start + n)],
-                         "label": [str(i % 7) for i in range(start, start + n)]})
+    return pd.DataFrame(
+        {
+            "path": [f"img/{i}.png" for i in range(start, start + n)],
+            "label": [str(i % 7) for i in range(start, start + n)],
+        }
+    )
 
 
 def test_flat_recall_is_one_and_search_matches_brute_force():
@@ -43,11 +47,14 @@ def test_flat_recall_is_one_and_search_matches_brute_force():
     np.testing.assert_allclose(scores, np.take_along_axis(x[:5] @ x.T, brute, 1), atol=1e-5)
 
 
-@pytest.mark.parametrize("kind, extra", [
-    ("ivf_flat", {"nlist": 32, "nprobe": 4}),
-    ("ivf_pq", {"nlist": 16, "nprobe": 8, "pq_m": 8, "pq_nbits": 4}),
-    ("hnsw", {"hnsw_m": 16, "ef_search": 32}),
-])
+@pytest.mark.parametrize(
+    "kind, extra",
+    [
+        ("ivf_flat", {"nlist": 32, "nprobe": 4}),
+        ("ivf_pq", {"nlist": 16, "nprobe": 8, "pq_m": 8, "pq_nbits": 4}),
+        ("hnsw", {"hnsw_m": 16, "ef_search": 32}),
+    ],
+)
 def test_approximate_types_measure_their_recall(kind, extra):
     x = clustered(1500)
     cfg = IndexConfig(type=kind, min_rows_approx=0, recall_queries=200, **extra)
@@ -64,10 +71,12 @@ def test_approximate_types_measure_their_recall(kind, extra):
 
 def test_ivf_nprobe_trades_recall():
     x = clustered(3000)
-    few = CatalogueIndex.build(x, ids_for(3000), IndexConfig(type="ivf_flat", min_rows_approx=0, nlist=64,
-                                                             nprobe=1))
-    many = CatalogueIndex.build(x, ids_for(3000), IndexConfig(type="ivf_flat", min_rows_approx=0, nlist=64,
-                                                              nprobe=16))
+    few = CatalogueIndex.build(
+        x, ids_for(3000), IndexConfig(type="ivf_flat", min_rows_approx=0, nlist=64, nprobe=1)
+    )
+    many = CatalogueIndex.build(
+        x, ids_for(3000), IndexConfig(type="ivf_flat", min_rows_approx=0, nlist=64, nprobe=16)
+    )
     assert few.meta["recall@10"] < many.meta["recall@10"]
 
 
@@ -81,7 +90,9 @@ def test_small_catalogue_falls_back_to_flat(caplog):
 
 def test_pq_m_must_divide_dimension():
     with pytest.raises(ValueError, match=r"pq_m \(5\) must divide the embedding dimension \(32\)"):
-        CatalogueIndex.build(clustered(500), ids_for(500), IndexConfig(type="ivf_pq", min_rows_approx=0, pq_m=5))
+        CatalogueIndex.build(
+            clustered(500), ids_for(500), IndexConfig(type="ivf_pq", min_rows_approx=0, pq_m=5)
+        )
 
 
 def test_config_refuses_unknown_type_and_keys():
@@ -97,7 +108,11 @@ def test_saved_and_loaded_index_searches_identically(tmp_path, kind):
     cfg = IndexConfig(type=kind, min_rows_approx=0, nlist=16, nprobe=3, pq_m=8, pq_nbits=4, ef_search=20)
     idx = CatalogueIndex.build(x, ids_for(1000), cfg, model_sha256="ab" * 32)
     idx.save(tmp_path / "index")
-    assert sorted(p.name for p in (tmp_path / "index").iterdir()) == ["ids.parquet", "index.faiss", "index.json"]
+    assert sorted(p.name for p in (tmp_path / "index").iterdir()) == [
+        "ids.parquet",
+        "index.faiss",
+        "index.json",
+    ]
     meta = json.loads((tmp_path / "index" / "index.json").read_text())
     assert meta["model_sha256"] == "ab" * 32 and meta["count"] == 1000 and meta["type"] == kind
     assert "recall@10" in meta
@@ -167,8 +182,12 @@ def test_build_from_images_and_append_does_not_reembed(served, image_root, tmp_p
 
 
 def test_unreadable_catalogue_images_are_left_out_and_named(served, image_root, broken_image):
-    frame = pd.DataFrame({"path": ["class0/img0.png", str(broken_image), "class1/img0.png"],
-                          "label": ["class0", "x", "class1"]})
+    frame = pd.DataFrame(
+        {
+            "path": ["class0/img0.png", str(broken_image), "class1/img0.png"],
+            "label": ["class0", "x", "class1"],
+        }
+    )
     idx = build_catalogue(served, frame, image_root, IndexConfig())
     assert idx.count == 2 and idx.meta["skipped"] == [str(broken_image)]
 
@@ -188,6 +207,8 @@ def test_index_source_builds_then_appends(served, image_root, tmp_path):
     cfg = IndexConfig(source=str(subset), output=str(tmp_path / "index"))
     assert index_source(served, cfg, root=image_root).count == 10
     model = CountingModel(served)
-    grown = index_source(model, cfg.model_copy(update={"source": str(image_root / "manifest.csv")}), append=True)
+    grown = index_source(
+        model, cfg.model_copy(update={"source": str(image_root / "manifest.csv")}), append=True
+    )
     assert grown.count == 24 and model.rows == 14
     assert CatalogueIndex.load(tmp_path / "index").count == 24

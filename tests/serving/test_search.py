@@ -18,8 +18,13 @@ def catalogue(served, image_root):
 
 
 def test_a_catalogue_image_finds_itself_first(served, catalogue, image_root):
-    results = search_images(served, catalogue, [image_root / "class2/img1.png", image_root / "class4/img3.png"], k=3)
-    assert [r["query"] for r in results] == [str(image_root / "class2/img1.png"), str(image_root / "class4/img3.png")]
+    results = search_images(
+        served, catalogue, [image_root / "class2/img1.png", image_root / "class4/img3.png"], k=3
+    )
+    assert [r["query"] for r in results] == [
+        str(image_root / "class2/img1.png"),
+        str(image_root / "class4/img3.png"),
+    ]
     first = results[0]["results"]
     assert [r["rank"] for r in first] == [1, 2, 3]
     assert first[0]["path"] == "class2/img1.png" and first[0]["label"] == "class2"
@@ -28,8 +33,9 @@ def test_a_catalogue_image_finds_itself_first(served, catalogue, image_root):
     assert results[1]["results"][0]["path"] == "class4/img3.png"
 
 
-def test_an_unreadable_image_is_named_and_the_others_still_answer(served, catalogue, image_root, broken_image,
-                                                                    tmp_path):
+def test_an_unreadable_image_is_named_and_the_others_still_answer(
+    served, catalogue, image_root, broken_image, tmp_path
+):
     text = tmp_path / "notes.png"
     text.write_text("not an image")
     queries = [broken_image, image_root / "class0/img0.png", tmp_path / "missing.png", text]
@@ -51,7 +57,9 @@ def test_batches_do_not_change_the_answers(served, catalogue, image_root):
     small, large = (search_images(served, catalogue, queries, k=4, batch_size=b) for b in (3, 64))
     for a, b in zip(small, large):  # conv kernels may round differently per batch size: scores to 1e-4
         assert a["query"] == b["query"] and a["results"][0]["path"] == b["results"][0]["path"]
-        assert [r["score"] for r in a["results"]] == pytest.approx([r["score"] for r in b["results"]], abs=1e-4)
+        assert [r["score"] for r in a["results"]] == pytest.approx(
+            [r["score"] for r in b["results"]], abs=1e-4
+        )
 
 
 def test_table_and_json(served, catalogue, image_root, broken_image):
@@ -66,7 +74,7 @@ def test_table_and_json(served, catalogue, image_root, broken_image):
 
 
 def test_unlabelled_items_answer_label_none_after_a_reload(served, image_root, tmp_path):
-    """A catalogue mixing labelled rows and rows of a folder (no labels): pandas reads the nulls back as NaN."""
+    """A catalogue mixing labelled and unlabelled (folder) rows: pandas reads the nulls back as NaN."""
     from xbn.serving.index import CatalogueIndex
 
     frame, root = read_source(image_root / "manifest.csv")
@@ -74,9 +82,14 @@ def test_unlabelled_items_answer_label_none_after_a_reload(served, image_root, t
     build_catalogue(served, frame, root, IndexConfig()).save(tmp_path / "index")
     loaded = CatalogueIndex.load(tmp_path / "index")
     [result] = search_images(served, loaded, [image_root / "class5/img0.png"], k=1)
-    assert result["results"][0] == {"path": "class5/img0.png", "label": None, "score": pytest.approx(1.0, abs=1e-4),
-                                    "rank": 1}
+    assert result["results"][0] == {
+        "path": "class5/img0.png",
+        "label": None,
+        "score": pytest.approx(1.0, abs=1e-4),
+        "rank": 1,
+    }
     [result] = search_images(served, loaded, [image_root / "class4/img0.png"], k=1)
     assert result["results"][0]["label"] == "class4"
     assert "  1     1.0000  -      class5/img0.png" in format_table(
-        search_images(served, loaded, [image_root / "class5/img0.png"], k=1))
+        search_images(served, loaded, [image_root / "class5/img0.png"], k=1)
+    )

@@ -45,10 +45,19 @@ def work_dir(output: str | Path) -> Path:
     return output.with_name(f".{output.name}.parts")
 
 
-def embed_to_parquet(model: ServedModel, source: str | Path, output: str | Path, *,
-                     manifest: str | Path | None = None, root: str | Path | None = None, chunk_size: int = 1024,
-                     batch_size: int = 64, num_workers: int = 0, progress: bool = True,
-                     on_chunk: Callable[[int, int], None] | None = None) -> EmbedReport:
+def embed_to_parquet(
+    model: ServedModel,
+    source: str | Path,
+    output: str | Path,
+    *,
+    manifest: str | Path | None = None,
+    root: str | Path | None = None,
+    chunk_size: int = 1024,
+    batch_size: int = 64,
+    num_workers: int = 0,
+    progress: bool = True,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> EmbedReport:
     """Embed every image of `source` (see `xbn.serving.sources.read_source`) into the parquet file `output`.
 
     `on_chunk(done, total)` is called after each chunk is safely on disk.
@@ -59,8 +68,16 @@ def embed_to_parquet(model: ServedModel, source: str | Path, output: str | Path,
     output, parts = Path(output), work_dir(output)
     with_labels = frame["label"].notna().any()
     total = -(-len(frame) // chunk_size)
-    _prepare(parts, {"model_sha256": model.sha256, "image_size": model.image_size, "chunk_size": chunk_size,
-                     "rows": len(frame), "rows_sha256": _rows_digest(frame)})
+    _prepare(
+        parts,
+        {
+            "model_sha256": model.sha256,
+            "image_size": model.image_size,
+            "chunk_size": chunk_size,
+            "rows": len(frame),
+            "rows_sha256": _rows_digest(frame),
+        },
+    )
     done = [i for i in range(total) if _chunk(parts, i).exists()]
     if done:
         log.info("embed: resuming, %d of %d chunk(s) already done in %s", len(done), total, parts)
@@ -68,7 +85,7 @@ def embed_to_parquet(model: ServedModel, source: str | Path, output: str | Path,
     for i in range(total):
         if i in done:
             continue
-        rows = frame.iloc[i * chunk_size:(i + 1) * chunk_size]
+        rows = frame.iloc[i * chunk_size : (i + 1) * chunk_size]
         emb, kept, skipped = model.embed_frame(rows, root, batch_size, num_workers)
         if skipped:
             log.warning("embed: %d unreadable image(s) left out: %s", len(skipped), ", ".join(skipped))
@@ -97,9 +114,13 @@ def _assemble(parts: Path, output: Path, total: int, model: ServedModel, resumed
         table = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
     else:
         table = _table(pd.DataFrame({"path": []}), np.empty((0, model.embedding_dim), np.float32), False, [])
-    table = table.replace_schema_metadata({
-        SKIPPED_KEY: json.dumps(skipped).encode(), b"xbn.model_sha256": model.sha256.encode(),
-        b"xbn.embedding_dim": str(model.embedding_dim).encode()})
+    table = table.replace_schema_metadata(
+        {
+            SKIPPED_KEY: json.dumps(skipped).encode(),
+            b"xbn.model_sha256": model.sha256.encode(),
+            b"xbn.embedding_dim": str(model.embedding_dim).encode(),
+        }
+    )
     with atomic_path(output) as tmp:
         pq.write_table(table, tmp)
     shutil.rmtree(parts, ignore_errors=True)

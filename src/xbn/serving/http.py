@@ -8,8 +8,8 @@ registry alias is picked up without a restart. A load that fails leaves the prev
 model registry.
 
 Access: with a token configured (environment variable `XBN_SERVE_TOKEN`, or a file named by
-`XBN_SERVE_TOKEN_FILE`; never a command-line argument, which `ps` shows), every route but `/health` answers 401
-without `Authorization: Bearer <token>`. `serve` binds 127.0.0.1 unless told otherwise.
+`XBN_SERVE_TOKEN_FILE`; never a command-line argument, which `ps` shows), every route but `/health` answers
+401 without `Authorization: Bearer <token>`. `serve` binds 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
@@ -84,8 +84,14 @@ class LocalModelSource:
     """A checkpoint file and an index folder on disk; their content is the version, so replacing either file
     (atomically, as `xbn train` and `xbn index` write them) is picked up by the next poll."""
 
-    def __init__(self, model_path: str | Path, index_dir: str | Path, image_size: int, name: str = "local",
-                 device: str = "cpu") -> None:
+    def __init__(
+        self,
+        model_path: str | Path,
+        index_dir: str | Path,
+        image_size: int,
+        name: str = "local",
+        device: str = "cpu",
+    ) -> None:
         self.model_path, self.index_dir = Path(model_path), Path(index_dir)
         self.image_size, self.name, self.device = image_size, name, device
 
@@ -101,8 +107,13 @@ class LocalModelSource:
         version = self.version()
         if version is None:
             raise FileNotFoundError(f"no model at {self.model_path} or no index at {self.index_dir}")
-        return _loaded(version, load_served_model(self.model_path, self.image_size, self.device),
-                       CatalogueIndex.load(self.index_dir), self.name, None)
+        return _loaded(
+            version,
+            load_served_model(self.model_path, self.image_size, self.device),
+            CatalogueIndex.load(self.index_dir),
+            self.name,
+            None,
+        )
 
 
 class RegistryModelSource:
@@ -110,8 +121,15 @@ class RegistryModelSource:
     `alias`. `fetch_index(version_info, directory) -> index folder` downloads the version's index artifact;
     it is passed in so that this module needs no MLflow. Files go to `cache_dir/v<version>/`."""
 
-    def __init__(self, registry: Any, fetch_index: Callable[[Any, Path], Path], cache_dir: str | Path,
-                 alias: str = "champion", image_size: int | None = None, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        registry: Any,
+        fetch_index: Callable[[Any, Path], Path],
+        cache_dir: str | Path,
+        alias: str = "champion",
+        image_size: int | None = None,
+        device: str = "cpu",
+    ) -> None:
         self.registry, self.fetch_index, self.cache_dir = registry, fetch_index, Path(cache_dir)
         self.alias, self.image_size, self.device = alias, image_size, device
 
@@ -129,8 +147,13 @@ class RegistryModelSource:
         if size is None:
             raise ValueError(f"{self.registry.name} v{info.version} records no image size: pass image_size")
         model = load_served_model(checkpoint.path, size, self.device)
-        return _loaded(str(info.version), model, CatalogueIndex.load(self.fetch_index(info, where)),
-                       self.registry.name, self.alias)
+        return _loaded(
+            str(info.version),
+            model,
+            CatalogueIndex.load(self.fetch_index(info, where)),
+            self.registry.name,
+            self.alias,
+        )
 
 
 def _loaded(version: str, model: ServedModel, index: CatalogueIndex, name: str, alias: str | None) -> Loaded:
@@ -159,12 +182,20 @@ class Holder:
                 loaded = self.source.load()
             except Exception as exc:  # noqa: BLE001 -- any failure: keep serving what is loaded, /health shows it
                 self.error = f"{type(exc).__name__}: {exc}"
-                log.error("model reload failed, still serving %s: %s",
-                          self.current.version if self.current else "nothing", self.error)
+                log.error(
+                    "model reload failed, still serving %s: %s",
+                    self.current.version if self.current else "nothing",
+                    self.error,
+                )
                 return False
             before, self.current, self.error = self.current, loaded, None
-        log.info("serving %s version %s (index of %d) instead of %s", loaded.name, loaded.version,
-                 loaded.index.count, before.version if before else "nothing")
+        log.info(
+            "serving %s version %s (index of %d) instead of %s",
+            loaded.name,
+            loaded.version,
+            loaded.index.count,
+            before.version if before else "nothing",
+        )
         return True
 
     def require(self) -> Loaded:
@@ -192,8 +223,9 @@ def token_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
     return token.strip() if token else None
 
 
-def create_app(model_source: ModelSource, config: ServeConfig | None = None, *,
-               token: str | None | EllipsisType = ...) -> FastAPI:
+def create_app(
+    model_source: ModelSource, config: ServeConfig | None = None, *, token: str | None | EllipsisType = ...
+) -> FastAPI:
     """The FastAPI app serving `model_source`. `token`: the bearer token, None for open access; by default
     read from the environment (`token_from_env`)."""
     cfg = config or ServeConfig()
@@ -210,7 +242,9 @@ def create_app(model_source: ModelSource, config: ServeConfig | None = None, *,
             background.add(asyncio.create_task(_poll(holder, cfg.poll_interval_s)))
         loop = asyncio.get_running_loop()
         try:
-            loop.add_signal_handler(signal.SIGHUP, lambda: _spawn(background, run_in_threadpool(holder.refresh)))
+            loop.add_signal_handler(
+                signal.SIGHUP, lambda: _spawn(background, run_in_threadpool(holder.refresh))
+            )
             hup = True
         except (ValueError, RuntimeError, NotImplementedError, AttributeError):  # not the main thread
             hup = False
@@ -227,8 +261,11 @@ def create_app(model_source: ModelSource, config: ServeConfig | None = None, *,
     @app.middleware("http")
     async def guard(request: Request, call_next):
         if secret is not None and request.url.path not in OPEN_PATHS and not _authorised(request, secret):
-            return JSONResponse({"detail": "missing or wrong bearer token: send 'Authorization: Bearer <token>'"},
-                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            return JSONResponse(
+                {"detail": "missing or wrong bearer token: send 'Authorization: Bearer <token>'"},
+                status_code=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         if request.method == "POST":
             # The size is checked before the body is read, so a body must say its size: a chunked upload
             # would be spooled to disk whole before any handler could refuse it.
@@ -261,8 +298,10 @@ def create_app(model_source: ModelSource, config: ServeConfig | None = None, *,
     @app.post("/search")
     # Parameter defaults, not Annotated: with postponed annotations FastAPI would evaluate an Annotated hint
     # in the module's globals, where this closure's `cfg` does not exist.
-    async def search(image: UploadFile = File(..., description="the query image"),  # noqa: B008
-                     k: int = Form(cfg.default_k, ge=1, le=cfg.max_k)) -> dict[str, Any]:
+    async def search(
+        image: UploadFile = File(..., description="the query image"),  # noqa: B008
+        k: int = Form(cfg.default_k, ge=1, le=cfg.max_k),
+    ) -> dict[str, Any]:
         loaded, emb = await embedding(image)
         return {**_about(loaded), "k": k, "results": neighbours(loaded.index, emb, k)[0]}
 
@@ -276,17 +315,25 @@ def create_app(model_source: ModelSource, config: ServeConfig | None = None, *,
         current = holder.current
         if current is None:
             return JSONResponse({"status": "unavailable", "error": holder.error}, status_code=503)
-        return {"status": "ok", **_about(current), "index_size": current.index.count,
-                "index_type": current.index.meta.get("type"), "embedding_dim": current.model.embedding_dim,
-                "error": holder.error}
+        return {
+            "status": "ok",
+            **_about(current),
+            "index_size": current.index.count,
+            "index_type": current.index.meta.get("type"),
+            "embedding_dim": current.model.embedding_dim,
+            "error": holder.error,
+        }
 
     return app
 
 
-def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> uvicorn.Server:
+def make_server(
+    app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"
+) -> uvicorn.Server:
     """A uvicorn server for `app` (port 0: any free port, see `bound_port`)."""
-    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                         timeout_graceful_shutdown=5))
+    return uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    )
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:

@@ -3,15 +3,15 @@
 Embeddings are unit vectors and every index uses the inner product, so scores are cosine similarities, as in
 the evaluation (`xbn.evaluation.knn`). Four types: `flat` (exact), `ivf_flat`, `ivf_pq` and `hnsw`.
 
-Below `min_rows_approx` rows (10 000 by default) an approximate type falls back to flat: IVF-PQ's 8-bit codebooks
-need 256 training points per centroid and faiss asks for 39 per IVF cell, so a smaller catalogue trains them
-badly, while exact search over 10 000 x 512 floats takes 1 to 3 ms per query on one core, so approximation
-has little to buy there.
+Below `min_rows_approx` rows (10 000 by default) an approximate type falls back to flat: IVF-PQ's 8-bit
+codebooks need 256 training points per centroid and faiss asks for 39 per IVF cell, so a smaller catalogue
+trains them badly, while exact search over 10 000 x 512 floats takes 1 to 3 ms per query on one core, so
+approximation has little to buy there.
 
-On disk an index is a folder of three files, each written atomically: `index.faiss`, `ids.parquet` (path, label,
-row) and `index.json` (type, dimension, count, the model's sha256, the measured recall@10, and the sha256 of the
-other two). `index.json` is written last and names the bytes of the other two, so a reader never pairs an index
-with the id map of another write.
+On disk an index is a folder of three files, each written atomically: `index.faiss`, `ids.parquet` (path,
+label, row) and `index.json` (type, dimension, count, the model's sha256, the measured recall@10, and the
+sha256 of the other two). `index.json` is written last and names the bytes of the other two, so a reader
+never pairs an index with the id map of another write.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ _MIN_POINTS_PER_CELL = 39  # faiss's k-means warns below this many training poin
 
 
 class IndexMismatch(ValueError):
-    """An index used with a model other than the one that built it, or an index folder that is inconsistent."""
+    """An index used with a model other than the one that built it, or an inconsistent index folder."""
 
 
 class IndexConfig(BaseModel):
@@ -69,8 +69,12 @@ class IndexConfig(BaseModel):
 def effective_type(cfg: IndexConfig, rows: int) -> IndexType:
     """The type actually built for `rows` rows (see the module docstring for the fallback)."""
     if cfg.type != "flat" and rows < cfg.min_rows_approx:
-        log.info("index: %d rows < index.min_rows_approx (%d): building flat (exact) instead of %s",
-                 rows, cfg.min_rows_approx, cfg.type)
+        log.info(
+            "index: %d rows < index.min_rows_approx (%d): building flat (exact) instead of %s",
+            rows,
+            cfg.min_rows_approx,
+            cfg.type,
+        )
         return "flat"
     return cfg.type
 
@@ -122,8 +126,14 @@ def unit_rows(x: Any, name: str) -> np.ndarray:
     return x
 
 
-def recall_at_k(index: faiss.Index, references: np.ndarray, queries: np.ndarray | None = None, k: int = RECALL_K,
-                sample: int = 1000, seed: int = 0) -> float:
+def recall_at_k(
+    index: faiss.Index,
+    references: np.ndarray,
+    queries: np.ndarray | None = None,
+    k: int = RECALL_K,
+    sample: int = 1000,
+    seed: int = 0,
+) -> float:
     """Mean fraction of the exact top-k (by `knn_search` over `references`) that `index` returns in its top-k.
 
     Without `queries`, `sample` catalogue rows are the queries, held out of their own results on both sides
@@ -132,8 +142,9 @@ def recall_at_k(index: faiss.Index, references: np.ndarray, queries: np.ndarray 
     references = as_float32_matrix(references, "references")
     rows = None
     if queries is None:
-        rows = np.sort(np.random.default_rng(seed).choice(len(references), min(sample, len(references)),
-                                                          replace=False))
+        rows = np.sort(
+            np.random.default_rng(seed).choice(len(references), min(sample, len(references)), replace=False)
+        )
         queries = references[rows]
     else:
         queries = unit_rows(queries, "queries")
@@ -161,8 +172,9 @@ class CatalogueIndex:
     meta: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, embeddings: Any, ids: pd.DataFrame, cfg: IndexConfig, model_sha256: str = "",
-              queries: Any = None) -> CatalogueIndex:
+    def build(
+        cls, embeddings: Any, ids: pd.DataFrame, cfg: IndexConfig, model_sha256: str = "", queries: Any = None
+    ) -> CatalogueIndex:
         """Index `embeddings` (row i is `ids` row i: columns path, label) and measure its recall@10 against
         exact search on held-out queries (`queries`, else a sample of the catalogue)."""
         x = unit_rows(embeddings, "embeddings")
@@ -173,10 +185,20 @@ class CatalogueIndex:
         kind = effective_type(cfg, len(x))
         index, params = build_faiss(x, cfg, kind)
         recall = recall_at_k(index, x, queries, RECALL_K, cfg.recall_queries, cfg.seed)
-        log.info("index: %s over %d x %d, recall@%d %.4f of exact", kind, len(x), x.shape[1], RECALL_K, recall)
-        meta = {"format": FORMAT, "type": kind, "requested_type": cfg.type, "dim": int(x.shape[1]),
-                "count": len(x), "model_sha256": model_sha256, f"recall@{RECALL_K}": recall,
-                "recall_measured_on": len(x), "params": params}
+        log.info(
+            "index: %s over %d x %d, recall@%d %.4f of exact", kind, len(x), x.shape[1], RECALL_K, recall
+        )
+        meta = {
+            "format": FORMAT,
+            "type": kind,
+            "requested_type": cfg.type,
+            "dim": int(x.shape[1]),
+            "count": len(x),
+            "model_sha256": model_sha256,
+            f"recall@{RECALL_K}": recall,
+            "recall_measured_on": len(x),
+            "params": params,
+        }
         return cls(index, _id_map(ids, 0), meta)
 
     @property
@@ -201,8 +223,10 @@ class CatalogueIndex:
         """Refuse to serve this index with a model other than the one that embedded it."""
         built = self.meta.get("model_sha256")
         if built and sha256 and built != sha256:
-            raise IndexMismatch(f"the index was built with model sha256 {built[:12]}..., not with the model "
-                                f"being served ({sha256[:12]}...): rebuild it (`xbn index`)")
+            raise IndexMismatch(
+                f"the index was built with model sha256 {built[:12]}..., not with the model "
+                f"being served ({sha256[:12]}...): rebuild it (`xbn index`)"
+            )
 
     def missing(self, paths: Any) -> np.ndarray:
         """Boolean mask of `paths` not yet in the catalogue: what `append` would add, so only they need
@@ -234,8 +258,12 @@ class CatalogueIndex:
             faiss.write_index(self.index, str(tmp))
         with atomic_path(directory / IDS_FILE) as tmp:
             self.ids.to_parquet(tmp, index=False)
-        meta = {**self.meta, "count": self.count, "dim": self.dim,
-                "sha256": {name: file_digest(directory / name) for name in (INDEX_FILE, IDS_FILE)}}
+        meta = {
+            **self.meta,
+            "count": self.count,
+            "dim": self.dim,
+            "sha256": {name: file_digest(directory / name) for name in (INDEX_FILE, IDS_FILE)},
+        }
         write_json(directory / META_FILE, meta)
         self.meta = meta
         return directory
@@ -249,33 +277,49 @@ class CatalogueIndex:
         try:
             meta = json.loads((directory / META_FILE).read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"no index at {directory} (no {META_FILE}): run `xbn index` first") from None
+            raise FileNotFoundError(
+                f"no index at {directory} (no {META_FILE}): run `xbn index` first"
+            ) from None
         if meta.get("format") != FORMAT:
-            raise IndexMismatch(f"{directory / META_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}")
+            raise IndexMismatch(
+                f"{directory / META_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}"
+            )
         for name, digest in meta.get("sha256", {}).items():
             if file_digest(directory / name) != digest:
-                raise IndexMismatch(f"{directory / name} is not the file {META_FILE} records (sha256 differs): "
-                                    "a write was interrupted or the folder was altered; rebuild the index")
+                raise IndexMismatch(
+                    f"{directory / name} is not the file {META_FILE} records (sha256 differs): "
+                    "a write was interrupted or the folder was altered; rebuild the index"
+                )
         index = faiss.read_index(str(directory / INDEX_FILE))
         set_search_params(index, meta.get("params", {}))
         ids = pd.read_parquet(directory / IDS_FILE)
         if not (index.ntotal == len(ids) == meta["count"]):
-            raise IndexMismatch(f"{directory}: index holds {index.ntotal} rows, id map {len(ids)}, "
-                                f"{META_FILE} says {meta['count']}")
+            raise IndexMismatch(
+                f"{directory}: index holds {index.ntotal} rows, id map {len(ids)}, "
+                f"{META_FILE} says {meta['count']}"
+            )
         return cls(index, ids, meta)
 
 
 def _id_map(ids: pd.DataFrame, first_row: int) -> pd.DataFrame:
     labels = ids["label"] if "label" in ids.columns else pd.Series([None] * len(ids))
-    return pd.DataFrame({
-        "path": ids["path"].astype(str).to_numpy(),
-        "label": [None if pd.isna(v) else str(v) for v in labels],
-        "row": np.arange(first_row, first_row + len(ids), dtype=np.int64),
-    })
+    return pd.DataFrame(
+        {
+            "path": ids["path"].astype(str).to_numpy(),
+            "label": [None if pd.isna(v) else str(v) for v in labels],
+            "row": np.arange(first_row, first_row + len(ids), dtype=np.int64),
+        }
+    )
 
 
-def build_catalogue(model: ServedModel, frame: pd.DataFrame, root: str | Path, cfg: IndexConfig,
-                    queries: Any = None, num_workers: int = 0) -> CatalogueIndex:
+def build_catalogue(
+    model: ServedModel,
+    frame: pd.DataFrame,
+    root: str | Path,
+    cfg: IndexConfig,
+    queries: Any = None,
+    num_workers: int = 0,
+) -> CatalogueIndex:
     """Embed the catalogue rows `frame` (path relative to `root`, label) with `model` and index them;
     unreadable images are left out (logged by name) and recorded in `meta["skipped"]`."""
     emb, kept, skipped = model.embed_frame(frame, root, cfg.batch_size, num_workers)
@@ -284,8 +328,14 @@ def build_catalogue(model: ServedModel, frame: pd.DataFrame, root: str | Path, c
     return catalogue
 
 
-def append_catalogue(catalogue: CatalogueIndex, model: ServedModel, frame: pd.DataFrame, root: str | Path,
-                     batch_size: int = 64, num_workers: int = 0) -> int:
+def append_catalogue(
+    catalogue: CatalogueIndex,
+    model: ServedModel,
+    frame: pd.DataFrame,
+    root: str | Path,
+    batch_size: int = 64,
+    num_workers: int = 0,
+) -> int:
     """Add the rows of `frame` not yet in the catalogue, embedding only those; returns how many were added."""
     catalogue.check_model(model.sha256)
     new = frame[catalogue.missing(frame["path"])]
@@ -294,9 +344,16 @@ def append_catalogue(catalogue: CatalogueIndex, model: ServedModel, frame: pd.Da
     return catalogue.append(emb, new.iloc[kept])
 
 
-def index_source(model: ServedModel, cfg: IndexConfig, *, manifest: str | Path | None = None,
-                 root: str | Path | None = None, append: bool = False, queries: Any = None,
-                 num_workers: int = 0) -> CatalogueIndex:
+def index_source(
+    model: ServedModel,
+    cfg: IndexConfig,
+    *,
+    manifest: str | Path | None = None,
+    root: str | Path | None = None,
+    append: bool = False,
+    queries: Any = None,
+    num_workers: int = 0,
+) -> CatalogueIndex:
     """What `xbn index [--append]` does: embed `cfg.source` with `model`, build (or, with `append`, extend
     the index at `cfg.output` without re-embedding what it holds) and save it to `cfg.output`."""
     from xbn.serving.sources import read_source

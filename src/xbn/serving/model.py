@@ -63,25 +63,38 @@ class ServedModel:
 
     def embed_images(self, images: Sequence[Image.Image], batch_size: int = 64) -> np.ndarray:
         """Embeddings of RGB PIL images, in order, `batch_size` at a time (bounds peak memory)."""
-        chunks = [self.embed_tensors(torch.stack([self.transform(im) for im in images[i:i + batch_size]]))
-                  for i in range(0, len(images), batch_size)]
+        chunks = [
+            self.embed_tensors(torch.stack([self.transform(im) for im in images[i : i + batch_size]]))
+            for i in range(0, len(images), batch_size)
+        ]
         return np.concatenate(chunks) if chunks else np.empty((0, self.embedding_dim), dtype=np.float32)
 
-    def embed_frame(self, frame: pd.DataFrame, root: str | Path, batch_size: int = 64,
-                    num_workers: int = 0) -> EmbeddedRows:
+    def embed_frame(
+        self, frame: pd.DataFrame, root: str | Path, batch_size: int = 64, num_workers: int = 0
+    ) -> EmbeddedRows:
         """Embeddings of the manifest-format rows of `frame` (paths relative to `root`); unreadable images are
         left out and named (`ImageDataset` logs each with its error)."""
         if frame.empty:
             return EmbeddedRows(np.empty((0, self.embedding_dim), dtype=np.float32), [], [])
-        loader = image_loader(frame, root, np.zeros(len(frame), dtype=np.int64), self.transform, batch_size,
-                              num_workers, self.device, skip_unreadable=True)
+        loader = image_loader(
+            frame,
+            root,
+            np.zeros(len(frame), dtype=np.int64),
+            self.transform,
+            batch_size,
+            num_workers,
+            self.device,
+            skip_unreadable=True,
+        )
         kept: list[int] = []
-        # amp off: embeddings must not depend on the machine (bfloat16 on CUDA only) for an index to be reused.
+        # amp off: embeddings must not depend on the machine (bfloat16 on CUDA only): an index is reused.
         emb, _ = embed(self.model, loader, self.device, amp=False, kept=kept)
         if not kept:
             emb = np.empty((0, self.embedding_dim), dtype=np.float32)
         kept_set = set(kept)
-        return EmbeddedRows(emb, kept, [p for i, p in enumerate(frame["path"].astype(str)) if i not in kept_set])
+        return EmbeddedRows(
+            emb, kept, [p for i, p in enumerate(frame["path"].astype(str)) if i not in kept_set]
+        )
 
 
 def load_served_model(path: str | Path, image_size: int, device: str | torch.device = "cpu") -> ServedModel:
@@ -91,12 +104,24 @@ def load_served_model(path: str | Path, image_size: int, device: str | torch.dev
     return served(model, data_config, image_size, file_digest(path), device)
 
 
-def served(model: torch.nn.Module, data_config: dict[str, Any], image_size: int, sha256: str = "",
-           device: str | torch.device = "cpu") -> ServedModel:
+def served(
+    model: torch.nn.Module,
+    data_config: dict[str, Any],
+    image_size: int,
+    sha256: str = "",
+    device: str | torch.device = "cpu",
+) -> ServedModel:
     """Wrap an in-memory embedder (e.g. the one `xbn register` just evaluated) for serving."""
     transform = build_transform(image_size, training=False, mean=data_config["mean"], std=data_config["std"])
-    return ServedModel(model.eval(), transform, int(image_size), int(model.embedding_dim), sha256,
-                       torch.device(device), dict(data_config))
+    return ServedModel(
+        model.eval(),
+        transform,
+        int(image_size),
+        int(model.embedding_dim),
+        sha256,
+        torch.device(device),
+        dict(data_config),
+    )
 
 
 def open_image(path: str | Path) -> Image.Image:
@@ -116,8 +141,9 @@ def decode_image(data: bytes, name: str = "upload", max_pixels: int | None = Non
         with Image.open(io.BytesIO(data)) as image:
             width, height = image.size
             if max_pixels is not None and width * height > max_pixels:
-                raise UnreadableImage(f"{name} is {width}x{height} pixels, over the limit of {max_pixels}",
-                                      too_large=True)
+                raise UnreadableImage(
+                    f"{name} is {width}x{height} pixels, over the limit of {max_pixels}", too_large=True
+                )
             return to_rgb(image)  # decodes every pixel: a truncated file fails here, not later
     except (OSError, UnidentifiedImageError, Image.DecompressionBombError, SyntaxError) as exc:
         raise UnreadableImage(f"{name} is not a readable image: {_reason(exc)}") from exc

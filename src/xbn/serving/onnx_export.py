@@ -2,9 +2,9 @@
 
 Exported with torch's `torch.export`-based exporter (the default since torch 2.9; the TorchScript one is
 deprecated) at opset 18, which onnxruntime 1.32 runs. Height and width stay fixed at the size the model is
-served at: the transform crops every image to it. The file carries what a serving stack needs to feed it (image
-size, mean, std) and the checkpoint's sha256 as ONNX metadata, and `check_parity` compares it with torch on
-real images before it is trusted.
+served at: the transform crops every image to it. The file carries what a serving stack needs to feed it
+(image size, mean, std) and the checkpoint's sha256 as ONNX metadata, and `check_parity` compares it with
+torch on real images before it is trusted.
 """
 
 from __future__ import annotations
@@ -42,13 +42,27 @@ def export_onnx(model: ServedModel, path: str | Path, opset: int = OPSET) -> Pat
     example = torch.zeros(2, 3, size, size)
     path = Path(path)
     with atomic_path(path) as tmp:
-        torch.onnx.export(module, (example,), str(tmp), input_names=[INPUT], output_names=[OUTPUT],
-                          dynamic_shapes=({0: torch.export.Dim("batch")},), opset_version=opset,
-                          external_data=False, dynamo=True, verbose=False)
+        torch.onnx.export(
+            module,
+            (example,),
+            str(tmp),
+            input_names=[INPUT],
+            output_names=[OUTPUT],
+            dynamic_shapes=({0: torch.export.Dim("batch")},),
+            opset_version=opset,
+            external_data=False,
+            dynamo=True,
+            verbose=False,
+        )
         proto = onnx.load(str(tmp))
-        metadata = {"image_size": size, "mean": list(model.data_config["mean"]),
-                    "std": list(model.data_config["std"]), "embedding_dim": model.embedding_dim,
-                    "model_sha256": model.sha256, "producer": "xbn"}
+        metadata = {
+            "image_size": size,
+            "mean": list(model.data_config["mean"]),
+            "std": list(model.data_config["std"]),
+            "embedding_dim": model.embedding_dim,
+            "model_sha256": model.sha256,
+            "producer": "xbn",
+        }
         onnx.helper.set_model_props(proto, {k: json.dumps(v) for k, v in metadata.items()})
         onnx.checker.check_model(proto)
         onnx.save(proto, str(tmp))
@@ -72,8 +86,9 @@ def onnx_embed(path: str | Path, batch: np.ndarray):
     return session.run([OUTPUT], {INPUT: np.ascontiguousarray(batch, dtype=np.float32)})[0]
 
 
-def check_parity(model: ServedModel, path: str | Path, image_paths: Sequence[str | Path],
-                 atol: float = PARITY_ATOL) -> float:
+def check_parity(
+    model: ServedModel, path: str | Path, image_paths: Sequence[str | Path], atol: float = PARITY_ATOL
+) -> float:
     """Embed real images with torch and with the ONNX file (one batch, so the dynamic axis is exercised with
     their count); returns the max |difference|, raising `ParityError` above `atol`."""
     if not image_paths:
@@ -84,6 +99,8 @@ def check_parity(model: ServedModel, path: str | Path, image_paths: Sequence[str
     diff = float(np.abs(got - expected).max())
     log.info("ONNX parity on %d image(s): max |diff| %.2e (tolerance %.0e)", len(image_paths), diff, atol)
     if not diff <= atol:
-        raise ParityError(f"{path}: ONNX embeddings differ from torch by up to {diff:.3e} (> {atol:.0e}) on "
-                          f"{len(image_paths)} image(s)")
+        raise ParityError(
+            f"{path}: ONNX embeddings differ from torch by up to {diff:.3e} (> {atol:.0e}) on "
+            f"{len(image_paths)} image(s)"
+        )
     return diff

@@ -1,5 +1,5 @@
-"""Rank a catalogue for query images: the logic behind `xbn search` and the HTTP `/search`, and its output as a
-table or as JSON.
+"""Rank a catalogue for query images: the logic behind `xbn search` and the HTTP `/search`, and its output as
+a table or as JSON.
 
 Each query answers on its own: an image that cannot be read becomes an entry with an `error` naming the file,
 and the other images are still searched.
@@ -27,21 +27,35 @@ def neighbours(index: CatalogueIndex, embeddings: np.ndarray, k: int) -> list[li
     scores, rows = index.search(embeddings, k)
     paths, labels = index.ids["path"].to_numpy(), index.ids["label"].to_numpy()
     # pandas reads a label column with some nulls as strings with NaN for the nulls: pd.isna catches both.
-    return [[{"path": str(paths[r]), "label": None if pd.isna(labels[r]) else str(labels[r]),
-              "score": round(float(s), 6), "rank": rank}
-             for rank, (s, r) in enumerate(zip(row_scores, row_ids), start=1) if r >= 0]
-            for row_scores, row_ids in zip(scores, rows)]
+    return [
+        [
+            {
+                "path": str(paths[r]),
+                "label": None if pd.isna(labels[r]) else str(labels[r]),
+                "score": round(float(s), 6),
+                "rank": rank,
+            }
+            for rank, (s, r) in enumerate(zip(row_scores, row_ids), start=1)
+            if r >= 0
+        ]
+        for row_scores, row_ids in zip(scores, rows)
+    ]
 
 
-def search_images(model: ServedModel, index: CatalogueIndex, image_paths: Sequence[str | Path], k: int = 10,
-                  batch_size: int = 64) -> list[dict[str, Any]]:
+def search_images(
+    model: ServedModel,
+    index: CatalogueIndex,
+    image_paths: Sequence[str | Path],
+    k: int = 10,
+    batch_size: int = 64,
+) -> list[dict[str, Any]]:
     """One entry per image, in order: {"query", "results": [{path, label, score, rank}, ...]}, or
     {"query", "error"} when the image cannot be read (the others still answer)."""
     index.check_model(model.sha256)
     out: list[dict[str, Any]] = []
     for start in range(0, len(image_paths), batch_size):  # bounds how many decoded images are held at once
         entries, images = [], []
-        for path in image_paths[start:start + batch_size]:
+        for path in image_paths[start : start + batch_size]:
             entry: dict[str, Any] = {"query": str(path)}
             try:
                 images.append(open_image(path))
@@ -68,10 +82,13 @@ def format_table(results: list[dict[str, Any]]) -> str:
         if "error" in entry:
             lines.append(f"  error: {entry['error']}")
         else:
-            rows = [(str(r["rank"]), f"{r['score']:.4f}", r["label"] or "-", r["path"]) for r in entry["results"]]
+            rows = [
+                (str(r["rank"]), f"{r['score']:.4f}", r["label"] or "-", r["path"]) for r in entry["results"]
+            ]
             header = ("rank", "score", "label", "path")
-            widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
-                      for i, h in enumerate(header)]
+            widths = [
+                max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)
+            ]
             for row in (header, *rows):
                 lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         blocks.append("\n".join(lines))

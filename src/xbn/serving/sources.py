@@ -1,7 +1,7 @@
-"""Where a catalogue's images come from: the manifest's test gallery, a folder, or a CSV in the manifest format.
+"""Where a catalogue's images come from: the manifest's test gallery, a folder, or a manifest-format CSV.
 
-Every source becomes the same thing, a frame of `path` (relative to a root) and `label` (None when unknown) plus
-that root, so embedding, indexing and the batch job read one shape.
+Every source becomes the same thing, a frame of `path` (relative to a root) and `label` (None when unknown)
+plus that root, so embedding, indexing and the batch job read one shape.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from xbn.data import read_manifest
 from xbn.data.errors import DatasetError
 
 # The extensions a folder source picks up (case-insensitive); anything else in the folder is ignored.
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"})
+IMAGE_SUFFIXES = frozenset(
+    {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
+)
 
 
 def gallery_rows(manifest: pd.DataFrame) -> pd.DataFrame:
@@ -27,8 +29,9 @@ def gallery_rows(manifest: pd.DataFrame) -> pd.DataFrame:
     return rows
 
 
-def read_source(source: str | Path, *, manifest: str | Path | None = None, root: str | Path | None = None
-                ) -> tuple[pd.DataFrame, Path]:
+def read_source(
+    source: str | Path, *, manifest: str | Path | None = None, root: str | Path | None = None
+) -> tuple[pd.DataFrame, Path]:
     """(frame with `path`, `label`, root) for a catalogue source.
 
     - `"test"`: the gallery of the manifest at `manifest`, paths relative to `root` (`data.root`);
@@ -42,8 +45,11 @@ def read_source(source: str | Path, *, manifest: str | Path | None = None, root:
         return _columns(gallery_rows(read_manifest(manifest))), Path(root)
     path = Path(source)
     if path.is_dir():
-        files = sorted(p.relative_to(path).as_posix() for p in path.rglob("*")
-                       if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        files = sorted(
+            p.relative_to(path).as_posix()
+            for p in path.rglob("*")
+            if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+        )
         if not files:
             raise DatasetError(f"{path}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))}) under it")
         return pd.DataFrame({"path": files, "label": pd.Series([None] * len(files), dtype=object)}), path
