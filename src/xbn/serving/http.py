@@ -295,9 +295,9 @@ def create_app(
 
         return loaded, await run_in_threadpool(work)
 
-    @app.post("/search")
     # Parameter defaults, not Annotated: with postponed annotations FastAPI would evaluate an Annotated hint
     # in the module's globals, where this closure's `cfg` does not exist.
+    @app.post("/search")
     async def search(
         image: UploadFile = File(..., description="the query image"),  # noqa: B008
         k: int = Form(cfg.default_k, ge=1, le=cfg.max_k),
