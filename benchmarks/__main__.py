@@ -17,7 +17,6 @@ Options after the name go to that benchmark; `--help` after a name lists them.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import traceback
 

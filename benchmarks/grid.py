@@ -4,7 +4,7 @@ Omniglot (seed 000's Table 2 / Figure 1 form), within a CPU budget.
     python -m benchmarks grid [--datasets glyphs omniglot] [--batches 16 64] [--seeds 0 1 2] [--workers 2]
     python -m benchmarks grid --quick          (2 methods, 1 seed, 1 epoch: checks the machinery)
 
-Each run trains through xbn's own API (`xbn.training.trainer.train`, the shipped defaults of params.yaml plus the
+Each run trains through xbn's own API (`xbn.training.fit`, the shipped defaults of params.yaml plus the
 method's and the scale's overrides below, so `memory.start`, the lr step and AXBN's values are the shipped
 ones) and evaluates the selected model on the test split (`xbn.stages.evaluate.evaluate`, leave-one-out). The
 validation R@1 of the selected epoch is recorded too: the shipped default method is chosen on it, never on test.
@@ -140,13 +140,13 @@ def run_one(overrides: list[str], threads: int, params_file: Path) -> dict[str, 
 
     from xbn.config import load_params
     from xbn.stages.evaluate import evaluate
-    from xbn.training.trainer import train
+    from xbn.training import fit
 
     torch.set_num_threads(threads)
     params = load_params(params_file, overrides)
     load = os.getloadavg()
     started = time.perf_counter()
-    summary = train(params, progress=False)
+    summary = fit(params, progress=False)
     train_s = time.perf_counter() - started
     metrics = evaluate(params)
     return {"recall@1": metrics["recall@1"], "map@r": metrics["map@r"], "recall@4": metrics.get("recall@4"),

@@ -25,7 +25,8 @@ from pytorch_metric_learning import losses, miners
 
 from benchmarks.common import machine_info, write_result
 from xbn.config import load_params
-from xbn.memory import AdaptiveCrossBatchMemory, Criterion, build_moments
+from xbn.memory import CrossBatchMemory
+from xbn.training.criterion import Criterion, build_moments
 
 METHODS = ("none", "pml", "xbm", "xbn", "axbn", "axbn_auto", "ema")
 
@@ -38,13 +39,13 @@ def build(method: str, size: int, dim: int, device: torch.device):
         memory = losses.CrossBatchMemory(loss, dim, memory_size=size, miner=miner)
     else:
         params = load_params(None, [f"memory.method={method}", f"model.embedding_dim={dim}"])
-        memory = AdaptiveCrossBatchMemory(loss, dim, size, miner=miner, moments=build_moments(params))
+        memory = CrossBatchMemory(loss, dim, size, miner=miner, moments=build_moments(params))
     memory.to(device)
     g = torch.Generator().manual_seed(0)
     memory.embedding_memory.copy_(torch.nn.functional.normalize(torch.randn(size, dim, generator=g), dim=1))
     memory.label_memory.copy_(torch.randint(0, size // 4, (size,), generator=g))
     memory.has_been_filled = True
-    if isinstance(memory, AdaptiveCrossBatchMemory):
+    if isinstance(memory, CrossBatchMemory):
         memory.refresh_sums()
     return memory
 

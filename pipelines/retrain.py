@@ -29,9 +29,10 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
-from xbn.config import ConfigError, Params, load_params
+from xbn.config import ConfigError, Params
+from xbn.stages.names import load_checked
 from xbn.data import DatasetError
-from xbn.training.trainer import NonFiniteLossError
+from xbn.utils.errors import NonFiniteLossError
 
 DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00
 
@@ -128,7 +129,7 @@ def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None
             tune: bool | None = None) -> dict:
     """`tune`: run the study first (None: as `tune.enabled` says)."""
     overrides = list(overrides or [])
-    params = load_params(params_path, overrides)
+    params = load_checked(params_path, overrides)
     if params.tracking.enabled:
         from xbn.tracking import tracking_uri
         from xbn.tracking.services import check_reachable
@@ -142,7 +143,7 @@ def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None
 
         study = tune_study(params)
         tuned = {"study": study["study"], "values": tuned_values(study)}
-        params = load_params(params_path, [*overrides, *as_overrides(tuned["values"])])
+        params = load_checked(params_path, [*overrides, *as_overrides(tuned["values"])])
         get_run_logger().info("study %s: training with %s", tuned["study"], tuned["values"])
     if not params.tracking.enabled:
         return _train_to_registry(params, tuned)

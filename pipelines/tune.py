@@ -16,7 +16,8 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 
 from pipelines.retrain import TASK_OPTIONS
-from xbn.config import Params, load_params
+from xbn.config import Params
+from xbn.stages.names import load_checked
 
 
 @task(**TASK_OPTIONS)
@@ -58,7 +59,7 @@ def summary_markdown(summary: dict) -> str:
 @flow(name="xbn-tune", log_prints=True)
 def tune_flow(params_path: str = "params.yaml", overrides: list[str] | None = None, workers: int = 1,
               apply: bool = False) -> dict:
-    params = load_params(params_path, overrides)
+    params = load_checked(params_path, overrides)
     summary = run_study(params, workers)
     if apply:
         merge_best(params_path, summary)

@@ -5,13 +5,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from xbn.config import ConfigError, Params, load_params
-from xbn.utils.errors import ServiceUnavailableError
+from xbn.utils.errors import (
+    EXIT_CONFIG,
+    EXIT_DATA,
+    EXIT_FAILURE,
+    EXIT_SERVICE,
+    NonFiniteLossError,
+    ServiceUnavailableError,
+)
 from xbn.utils.logs import configure_logging
 
-EXIT_CONFIG, EXIT_DATA, EXIT_SERVICE = 2, 3, 4
 # The commands that build a loss, a backbone or use the device: their params also have those names resolved
 # when loaded (`check_names` imports torch, pytorch-metric-learning and timm: seconds in a fresh process,
 # which the other commands need not pay).
@@ -62,14 +69,14 @@ def _stage_prepare(params: Params, args) -> dict:
 def _stage_train(params: Params, args) -> dict:
     nproc = getattr(args, "nproc", 1)  # `xbn run` trains in one process
     if nproc > 1:
-        from xbn.distributed import launch
+        from xbn.utils.distributed import launch
 
-        # torchrun (torch.distributed.run) starts `python -m xbn.train` N times on this machine; rank 0 prints
-        # the summary, so this process only passes on the exit status.
-        forwarded = ["--params", args.params, *(f"--set={o}" for o in args.overrides),
+        # torchrun (torch.distributed.run) starts this same command N times on this machine, each with its
+        # RANK and WORLD_SIZE; rank 0 prints the summary, so this process only passes on the exit status.
+        forwarded = ["train", "--params", args.params, *(f"--set={o}" for o in args.overrides),
                      *(["--resume"] if args.resume else []), *(["--quiet"] if args.quiet else []),
                      *(["--verbose"] if args.verbose else [])]
-        raise SystemExit(launch(nproc, "xbn.train", forwarded))
+        raise SystemExit(launch(nproc, "xbn.cli", forwarded))
     from xbn.stages.train import train
 
     return train(params, resume=args.resume, progress=not args.quiet, params_file=args.params)
@@ -178,9 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(verbose=args.verbose, prefix=f"xbn {args.command}: ")
+    rank = os.environ.get("RANK")  # set by torchrun for each worker of `xbn train --nproc N`
+    configure_logging(verbose=args.verbose, prefix=f"xbn {args.command}{f' [rank {rank}]' if rank else ''}: ",
+                      level=logging.INFO if rank in (None, "0") else logging.WARNING)
     try:
-        params = load_params(args.params, args.overrides, resolve_names=args.command in RESOLVES_NAMES)
+        params = load_params(args.params, args.overrides)
+        if args.command in RESOLVES_NAMES:
+            from xbn.stages.names import check_names
+
+            check_names(params)
     except ConfigError as exc:
         print(f"xbn: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -197,9 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     except ServiceUnavailableError as exc:  # the tracking store is down: nothing was started
         print(f"xbn {args.command}: {exc}", file=sys.stderr)
         return EXIT_SERVICE
+    except NonFiniteLossError as exc:  # the message names the iteration; the last good checkpoint is kept
+        print(f"xbn {args.command}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     if isinstance(result, str):
         print(result)
-    elif not args.quiet:  # -q: the result is in the file the stage wrote
+    elif not args.quiet and rank in (None, "0"):  # -q: the result is in the file the stage wrote
         print(json.dumps(result, indent=2, default=str))
     return 0
 

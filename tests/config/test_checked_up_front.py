@@ -13,7 +13,8 @@ import yaml
 
 from tests_support import ROOT
 from xbn.config import ConfigError, load_params
-from xbn.memory import build_criterion
+from xbn.stages.names import load_checked
+from xbn.training.criterion import build_criterion
 
 XBN = str(Path(sys.executable).with_name("xbn"))
 
@@ -89,7 +90,7 @@ def test_a_memory_beyond_the_available_ram_fails_before_allocating():
 ])
 def test_names_that_resolve_to_nothing_are_refused_by_key_with_close_matches(overrides, message):
     with pytest.raises(ConfigError) as info:
-        load_params(ROOT / "params.yaml", overrides)
+        load_checked(ROOT / "params.yaml", overrides)
     assert message in str(info.value)
 
 
@@ -104,7 +105,7 @@ def test_names_that_resolve_to_nothing_are_refused_by_key_with_close_matches(ove
     ["model.backbone=test_efficientnet", "model.pretrained=none"],
 ])
 def test_names_that_resolve_pass(overrides):
-    load_params(ROOT / "params.yaml", overrides)
+    load_checked(ROOT / "params.yaml", overrides)
 
 
 def test_xbn_train_with_a_misspelt_loss_exits_2_before_reading_any_data(tmp_path):
@@ -118,4 +119,4 @@ def test_xbn_train_with_a_misspelt_loss_exits_2_before_reading_any_data(tmp_path
     # A stage that builds no loss loads the same params without importing the libraries.
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"loss": {"name": "SupConLos"}}))
-    assert load_params(params, resolve_names=False).loss.name == "SupConLos"
+    assert load_params(params).loss.name == "SupConLos"

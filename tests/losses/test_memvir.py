@@ -9,7 +9,7 @@ from pytorch_metric_learning import losses
 
 from xbn.config import ConfigError, load_params
 from xbn.losses.memvir import MemVir
-from xbn.memory import build_criterion
+from xbn.training.criterion import build_criterion
 
 C, D, B = 3, 4, 6  # classes, embedding size, batch
 

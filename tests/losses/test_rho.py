@@ -12,7 +12,7 @@ from torch import nn
 from xbn.config import load_params
 from xbn.losses.miners import RandomTripletMiner
 from xbn.losses.rho import RhoRegularizedMiner
-from xbn.memory import build_criterion
+from xbn.training.criterion import build_criterion
 
 
 def batch(n_classes=16, per_class=4, dim=8, seed=0):

@@ -3,7 +3,7 @@ batch's classes as well as rows re-embedded by the current network would; stale 
 
 Embeddings z_t = a_t * (c_y + noise) + b_t, with per-dimension a_t (log-random walk) and b_t (random walk)
 that drift at every step, as a network's features do while it trains. The stream goes through the real
-`AdaptiveCrossBatchMemory`; after each update the current batch's queries are scored (R@1, Euclidean) against
+`CrossBatchMemory`; after each update the current batch's queries are scored (R@1, Euclidean) against
 the memory's other rows, and against the same rows written as the current step's (a_t, b_t) would map them
 (`fresh`: what a perfect correction gives, limited only by which classes the memory holds).
 """
@@ -12,7 +12,7 @@ import pytest
 import torch
 from pytorch_metric_learning import losses
 
-from xbn.memory import AdaptiveCrossBatchMemory
+from xbn.memory import CrossBatchMemory
 from xbn.memory.moments import BatchMoments, KalmanMoments
 
 DIM, CLASSES, CLASSES_PER_BATCH, PER_CLASS, ROWS, STEPS, SCORED_FROM = 16, 100, 32, 2, 320, 50, 10
@@ -25,7 +25,7 @@ def stream_scores(moments, seed: int = 0) -> tuple[float, float]:
     g = torch.Generator().manual_seed(seed)
     centres = torch.randn(CLASSES, DIM, generator=g)
     log_scale, shift = torch.zeros(DIM), torch.zeros(DIM)
-    memory = AdaptiveCrossBatchMemory(losses.SupConLoss(), DIM, ROWS, moments=moments)
+    memory = CrossBatchMemory(losses.SupConLoss(), DIM, ROWS, moments=moments)
     clean = torch.zeros(ROWS, DIM)  # the rows' values before any (a, b)
     scores, fresh_scores = [], []
     for step in range(STEPS):

@@ -7,7 +7,8 @@ import torch
 from pytorch_metric_learning import losses, miners
 
 from xbn.config import load_params
-from xbn.memory import AdaptiveCrossBatchMemory, Criterion, build_criterion, memory_rows
+from xbn.memory import CrossBatchMemory
+from xbn.training.criterion import Criterion, build_criterion, memory_rows
 from xbn.memory.moments import BatchMoments, EMAMoments, KalmanMoments
 
 D = 8
@@ -23,7 +24,7 @@ def labels(n, per_class=4, offset=0):
 
 
 def make_memory(moments, size=100, miner=True):
-    return AdaptiveCrossBatchMemory(losses.SupConLoss(), D, size,
+    return CrossBatchMemory(losses.SupConLoss(), D, size,
                                     miner=miners.PairMarginMiner(0.2, 0.8) if miner else None, moments=moments)
 
 
@@ -159,12 +160,12 @@ def test_criterion_without_memory_is_the_plain_mined_loss():
 
 def test_criterion_start_iteration_and_xbm_star():
     loss, miner = losses.SupConLoss(), miners.PairMarginMiner(0.2, 0.8)
-    memory = AdaptiveCrossBatchMemory(loss, D, 64, miner=miner)
+    memory = CrossBatchMemory(loss, D, 64, miner=miner)
     crit = Criterion(loss, miner, memory, start_iteration=1, add_batch_loss=True)
     x0, x1 = unit(16, seed=1), unit(16, seed=2)
     torch.testing.assert_close(crit(x0, labels(16)), crit.batch_loss(x0, labels(16)))
     assert memory.num_valid == 0  # the memory is untouched before start_iteration
-    reference = AdaptiveCrossBatchMemory(loss, D, 64, miner=miner)
+    reference = CrossBatchMemory(loss, D, 64, miner=miner)
     expected = reference(x1, labels(16, offset=50)) + crit.batch_loss(x1, labels(16, offset=50))
     torch.testing.assert_close(crit(x1, labels(16, offset=50)), expected)
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from xbn.config import load_params
-from xbn.memory import build_criterion
-from xbn.memory.moments import KalmanMoments
+from xbn.training.criterion import build_criterion
 from xbn.stages.prepare import prepare
-from xbn.training.trainer import NonFiniteLossError, Trainer
+from xbn.training.trainer import Trainer
+from xbn.utils.errors import NonFiniteLossError
 
 D = 8
 
@@ -67,3 +67,21 @@ def test_training_stops_naming_the_iteration_and_keeps_the_last_checkpoint(tiny_
     with pytest.raises(NonFiniteLossError, match=rf"at iteration {trainer.iteration + 1}: the memory's "):
         trainer.fit()
     assert Path("models/last.pt").read_bytes() == before
+
+
+def test_xbn_train_reports_a_non_finite_loss_in_one_line_with_exit_1(tiny_params, monkeypatch, capsys):
+    # The raising itself is pinned above; here the CLI's mapping: one line naming the iteration, exit 1, no
+    # traceback (the fault is injected where the loop would raise it).
+    from xbn.cli import main
+    from xbn.stages import train as stage
+
+    from tests_support import ROOT, TINY
+
+    message = "memory update at iteration 7: the Kalman gain is not finite"
+
+    def diverge(*args, **kwargs):
+        raise NonFiniteLossError(message)
+
+    monkeypatch.setattr(stage, "fit", diverge)
+    assert main(["train", "--params", str(ROOT / "params.yaml"), "-q", *(f"--set={o}" for o in TINY)]) == 1
+    assert capsys.readouterr().err.strip() == f"xbn train: {message}"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from xbn.config import ConfigError, Params, load_params
 from xbn.evaluation.mpn_rerank import mpn_retrieval_metrics, reciprocal_neighbours
 from xbn.losses.mpn import IntraBatchLoss
-from xbn.memory import build_criterion
+from xbn.training.criterion import build_criterion
 from xbn.models.mpn import MessagePassingNetwork, load_mpn
 from xbn.stages.evaluate import evaluate
 from xbn.stages.prepare import prepare

@@ -16,7 +16,7 @@ from xbn.cli import main
 from xbn.stages.evaluate import evaluate
 from xbn.stages.prepare import prepare
 from xbn.stages.refine import evaluate_refined, refine
-from xbn.training.trainer import train
+from xbn.training import fit
 
 REFINE = ["eval.baseline=false", "refine.enabled=true", "refine.k=3", "refine.epochs=2", "refine.blocks=1", "refine.heads=2",
           "refine.batch_size=16", "refine.serve=refined"]
@@ -25,7 +25,7 @@ REFINE = ["eval.baseline=false", "refine.enabled=true", "refine.k=3", "refine.ep
 def test_disabled_is_a_marker_then_enabled_refines_and_evaluate_reports_it(tiny_params, glyph_root):
     params = tiny_params("eval.baseline=false")
     prepare(params)
-    train(params, progress=False)
+    fit(params, progress=False)
 
     cli = ["refine", "-q", "--params", str(ROOT / "params.yaml"),
            *(f"--set={o}" for o in [*TINY, f"data.root={glyph_root}"])]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from xbn.config import ConfigError, RegistryConfig, load_params
-from xbn.stages.gate import Comparison, SplitScores, compare, decide
+from xbn.stages.promotion import Comparison, SplitScores, compare, decide
 
 from tests_support import ROOT
 

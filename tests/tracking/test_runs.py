@@ -24,7 +24,7 @@ from xbn.tracking import (
     pipeline_run,
     retrieval_grid,
 )
-from xbn.training.trainer import write_csv
+from xbn.utils.io import write_csv
 
 from .helpers import write_eval, write_model
 

@@ -9,7 +9,7 @@ from tests_support import ROOT, TINY
 from xbn.config import load_params
 from xbn.stages.evaluate import evaluate
 from xbn.stages.prepare import prepare
-from xbn.training.trainer import train
+from xbn.training import fit
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def test_trained_beats_untrained_on_unseen_test_classes(tmp_path, monkeypatch):
     torch.set_num_threads(1)  # the measured numbers below are one thread's (and a shared CPU runs it faster)
     try:
         prepare(params)  # generates the glyph set
-        summary = train(params, progress=False)
+        summary = fit(params, progress=False)
         metrics = evaluate(params)
     finally:
         torch.set_num_threads(threads)

@@ -10,7 +10,9 @@ import torch
 from tests_support import recomputed_recall_at_1
 from xbn.stages.evaluate import evaluate
 from xbn.stages.prepare import prepare
-from xbn.training.trainer import NonFiniteLossError, Trainer, train
+from xbn.training.trainer import Trainer
+from xbn.training import fit as train
+from xbn.utils.errors import NonFiniteLossError
 
 
 def test_train_writes_model_checkpoint_and_metrics(tiny_params):

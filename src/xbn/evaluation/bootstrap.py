@@ -15,6 +15,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from xbn.utils.arrays import finite_array
+
 # Indices drawn per block: 2**24 int64 = 128 MiB. A (1000, n) matrix fits in one block up to n ~ 16k.
 _BLOCK_ELEMENTS = 1 << 24
 
@@ -57,9 +59,4 @@ def paired_bootstrap(a: Any, b: Any, resamples: int = 1000, confidence: float = 
 
 
 def _scores(values: Any, name: str) -> np.ndarray:
-    array = np.asarray(values, dtype=np.float64)
-    if array.ndim != 1:
-        raise ValueError(f"{name} must be 1-D (one score per query), got shape {array.shape}")
-    if not np.isfinite(array).all():
-        raise ValueError(f"{name} contains NaN or inf")
-    return array
+    return finite_array(values, name, 1, "1-D (one score per query)", np.float64)

@@ -17,20 +17,15 @@ from typing import Any
 import faiss
 import numpy as np
 
+from xbn.utils.arrays import finite_array
+
 # faiss GPU indexes refuse larger k (faiss/gpu/utils/DeviceDefs.cuh); beyond it the torch path takes over.
 _FAISS_GPU_MAX_K = 2048
 
 
 def as_float32_matrix(x: Any, name: str) -> np.ndarray:
     """A contiguous float32 [N, d] numpy view or copy of a numpy array or torch tensor (what faiss needs)."""
-    if hasattr(x, "detach"):  # a torch tensor; checked by duck type so that torch is not imported here
-        x = x.detach().cpu().numpy()
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2:
-        raise ValueError(f"{name} must be a 2-D [N, d] array, got shape {x.shape}")
-    if not np.isfinite(x).all():
-        raise ValueError(f"{name} contains NaN or inf")
-    return x
+    return finite_array(x, name, 2, "a 2-D [N, d] array")
 
 
 def as_exclude(exclude: Any, num_queries: int) -> np.ndarray:

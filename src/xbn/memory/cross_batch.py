@@ -12,7 +12,7 @@ removal). What it adds, written by hand because no library has it:
   cannot accumulate.
 - The queue pointer and fill flag live in `state_dict` (PML keeps them as plain attributes, so a resumed run
   would silently differ).
-- A non-finite target (a NaN gain, an inf in the batch or the memory's moments) raises the trainer's
+- A non-finite target (a NaN gain, an inf in the batch or the memory's moments) raises
   `NonFiniteLossError` before any row is changed. The check reads one flag over the d-vectors of the map,
   fetched in the same host transfer as the step's diagnostics, so it adds no synchronisation on a GPU.
 """
@@ -20,15 +20,20 @@ removal). What it adds, written by hand because no library has it:
 from __future__ import annotations
 
 import torch
-from pytorch_metric_learning.losses import CrossBatchMemory
+from pytorch_metric_learning import losses as pml_losses
 from torch import nn
+
+from xbn.utils.errors import NonFiniteLossError
 
 # Dimensions whose memory std is at most this are shifted, not scaled: with sigma[R] = 0 every row equals
 # E[R], so Eq. 6 sends it to mu*, and a shift does that without dividing by zero.
 STD_EPS = 1e-6
 
 
-class AdaptiveCrossBatchMemory(CrossBatchMemory):
+class CrossBatchMemory(pml_losses.CrossBatchMemory):
+    """XBM with `moments=None` (rows kept as written); XBN, AXBN, EMA or auto-tuned AXBN with the matching
+    estimator from `moments.py` (`BatchMoments`, `KalmanMoments`, `EMAMoments`, `AdaptiveKalmanMoments`)."""
+
     def __init__(
         self,
         loss: nn.Module,
@@ -152,8 +157,6 @@ class AdaptiveCrossBatchMemory(CrossBatchMemory):
         }
 
     def _non_finite(self, target_mean, target_std, batch, memory_mean, memory_std) -> None:
-        from xbn.training.trainer import NonFiniteLossError  # here: the trainer imports this module
-
         def bad(x: torch.Tensor) -> int:
             return int((~torch.isfinite(x)).sum())
 

@@ -9,8 +9,8 @@ from xbn.config import Params
 from xbn.data import read_manifest
 from xbn.evaluation.embed import evaluate_split
 from xbn.models import build_embedder, load_embedder
-from xbn.training.trainer import resolve_device, seed_everything, write_csv
-from xbn.utils.io import write_json
+from xbn.utils.runtime import resolve_device, seed_everything
+from xbn.utils.io import write_csv, write_json
 
 log = logging.getLogger(__name__)
 

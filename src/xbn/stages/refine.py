@@ -27,7 +27,7 @@ from xbn.evaluation.embed import embed, image_loader
 from xbn.evaluation.knn import knn_search
 from xbn.evaluation.metrics import retrieval_metrics
 from xbn.models.refiner import ContextRefiner, load_refiner, save_refiner
-from xbn.training.trainer import resolve_device, seed_everything
+from xbn.utils.runtime import resolve_device, seed_everything
 from xbn.utils.io import file_digest, write_json
 
 log = logging.getLogger(__name__)

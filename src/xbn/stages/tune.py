@@ -26,8 +26,9 @@ from typing import Any
 
 import yaml
 
-from xbn.config import ConfigError, Params, load_params
+from xbn.config import ConfigError, Params
 from xbn.data import DatasetError, read_manifest
+from xbn.stages.names import load_checked
 from xbn.tuning import (
     MLFLOW_RUN_ATTR,
     Objective,
@@ -65,7 +66,7 @@ def tune(params: Params, *, workers: int = 1, worker: bool = False,
     name = study_name(params)
     study_dir = Path(params.tune.dir) / name
     resolved = _write_resolved(params, spec.url, name, study_dir / "params.yaml")
-    base = load_params(resolved)
+    base = load_checked(resolved)
     space = SearchSpace.from_config(base.tune)
     space.check(resolved, base)
     _require_val_split(base)

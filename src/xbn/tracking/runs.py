@@ -117,7 +117,7 @@ def pipeline_run(
         _log_params(client, run.run_id, flatten(params))
         base = {"git_commit": git_commit(), "data_hash": data_hash(params),
                 "params_hash": params_hash(params)}
-        client.log_batch(run.run_id, tags=_tags({**base, **(tags or {})}))
+        client.log_batch(run.run_id, tags=as_tags({**base, **(tags or {})}))
         # Once per pipeline execution on the console: the later stages join the same run.
         log.log(logging.DEBUG if run.resumed else logging.INFO, "MLflow run %s (%s) in %s", run.run_id,
                 "resumed" if run.resumed else "new", mask_secrets(uri))
@@ -134,7 +134,7 @@ def epoch_logger(run: PipelineRun) -> Callable[[int, dict], None]:
     def log_epoch(epoch: int, row: dict) -> None:
         values = {k: v for k, v in row.items() if k != "epoch"}
         try:
-            client.log_batch(run.run_id, metrics=_metrics(values, step=epoch))
+            client.log_batch(run.run_id, metrics=as_metrics(values, step=epoch))
         except Exception as exc:  # noqa: BLE001 - the checkpoint and metrics files have the row
             log.warning("epoch %d metrics not logged to MLflow (%s); they are sent again when the stage "
                         "ends", epoch, mask_secrets(str(exc))[:300])
@@ -152,7 +152,7 @@ def log_training(params: Params, run: PipelineRun, params_file: str | Path = "pa
     summary_file = metrics_dir / "train.json"
     if summary_file.exists():
         summary = json.loads(summary_file.read_text())
-        client.log_batch(run.run_id, metrics=_metrics({f"train/{k}": v for k, v in summary.items()}, step=0))
+        client.log_batch(run.run_id, metrics=as_metrics({f"train/{k}": v for k, v in summary.items()}, step=0))
         client.log_artifact(run.run_id, str(summary_file), "metrics")
     _log_series(client, run.run_id, metrics_dir / "train_epochs.csv", "epoch", prefix="")
     _log_series(client, run.run_id, metrics_dir / "train_steps.csv", "iteration", prefix="step/")
@@ -183,7 +183,7 @@ def log_evaluation(params: Params, run: PipelineRun, grid_png: str | Path | None
     untrained = {f"{name}/{k}": v for name, nested in results.items() if isinstance(nested, dict)
                  for k, v in nested.items()}
     counts = {f"eval/{k}": v for k, v in results.items() if k not in scores}
-    client.log_batch(run.run_id, metrics=_metrics({**scores, **untrained, **counts}, step=0))
+    client.log_batch(run.run_id, metrics=as_metrics({**scores, **untrained, **counts}, step=0))
     client.log_artifact(run.run_id, params.eval.output, "metrics")
     grid = Path(grid_png) if grid_png else RETRIEVAL_GRID
     if grid.exists():
@@ -224,7 +224,7 @@ def log_model(params: Params, run: PipelineRun, checkpoint: str | Path | None = 
                   "backbone": params.model.backbone, **_normalization(checkpoint)},
         tags={MODEL_SHA_TAG: sha},
     )
-    client.log_batch(run.run_id, tags=_tags({MODEL_URI_TAG: info.model_uri, MODEL_SHA_TAG: sha}))
+    client.log_batch(run.run_id, tags=as_tags({MODEL_URI_TAG: info.model_uri, MODEL_SHA_TAG: sha}))
     return info.model_uri
 
 
@@ -294,17 +294,19 @@ def _log_series(client: MlflowClient, run_id: str, csv: Path, step_col: str, pre
         key = metric_key(prefix + col)
         seen = {m.step for m in client.get_metric_history(run_id, key)}
         metrics += [m for step, value in zip(frame[step_col], frame[col]) if int(step) not in seen
-                    for m in _metrics({key: value}, step=int(step))]
+                    for m in as_metrics({key: value}, step=int(step))]
     client.log_batch(run_id, metrics=metrics)
 
 
-def _metrics(values: Mapping[str, Any], step: int) -> list[Metric]:
+def as_metrics(values: Mapping[str, Any], step: int) -> list[Metric]:
+    """MLflow metrics for `log_batch`: the numbers of `values`, NaNs and non-numbers left out."""
     now = int(time.time() * 1000)
     return [Metric(metric_key(k), float(v), now, step) for k, v in values.items()
             if _is_number(v) and not math.isnan(float(v))]
 
 
-def _tags(values: Mapping[str, Any]) -> list[RunTag]:
+def as_tags(values: Mapping[str, Any]) -> list[RunTag]:
+    """MLflow tags for `log_batch`: every value that is set, as text."""
     return [RunTag(k, str(v)) for k, v in values.items() if v is not None]
 
 

@@ -23,7 +23,7 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from xbn.config import Params, flatten
-from xbn.tracking.runs import _metrics, _tags, tracking_uri
+from xbn.tracking.runs import as_metrics, as_tags, tracking_uri
 from xbn.tracking.services import mask_secrets
 
 log = logging.getLogger(__name__)
@@ -40,11 +40,11 @@ class TrialRun:
 
     def log_epoch(self, epoch: int, row: Mapping[str, Any]) -> None:
         values = {k: v for k, v in row.items() if k != "epoch"}
-        self.client.log_batch(self.run_id, metrics=_metrics(values, step=epoch))
+        self.client.log_batch(self.run_id, metrics=as_metrics(values, step=epoch))
 
     def end(self, state: str, value: float | None = None) -> None:
         if value is not None:
-            self.client.log_batch(self.run_id, metrics=_metrics({"objective": value}, step=0))
+            self.client.log_batch(self.run_id, metrics=as_metrics({"objective": value}, step=0))
         self.client.set_tag(self.run_id, STATE_TAG, state)
         self.client.set_terminated(self.run_id, _RUN_STATUS.get(state, "FAILED"))
 
@@ -89,7 +89,7 @@ class StudyTracker:
 
     def log_study(self, metrics: Mapping[str, Any], tags: Mapping[str, Any], files: Iterable[Path],
                   plots: Iterable[Path]) -> None:
-        self.client.log_batch(self.run_id, metrics=_metrics(metrics, step=0), tags=_tags(tags))
+        self.client.log_batch(self.run_id, metrics=as_metrics(metrics, step=0), tags=as_tags(tags))
         for path in files:
             self.client.log_artifact(self.run_id, str(path))
         for path in plots:

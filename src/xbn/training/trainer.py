@@ -6,7 +6,7 @@ model in `models/model.pt` and a resumable checkpoint in `models/last.pt`, both 
 re-seeded from (seed, epoch) at the start of every epoch, so a run resumed from an epoch boundary continues
 exactly as the uninterrupted run would have.
 
-Data-parallel (`torchrun -m xbn.train`, `xbn train --nproc N`): every rank draws the same global batch and
+Data-parallel (`xbn train --nproc N`, which runs `python -m xbn.cli train` under torchrun): every rank draws the same global batch and
 loads its contiguous slice (`batches.RankBatchSampler`), each sample augmented from its own seed as in one
 process; the model is wrapped in DistributedDataParallel and the criterion gathers the global batch, so the
 loss, the memory and the gradient equal the single-process run's. BatchNorm is frozen by default
@@ -21,7 +21,6 @@ import hashlib
 import json
 import logging
 import math
-import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,19 +34,21 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from xbn import distributed
+from xbn.utils import distributed
+from xbn.utils.errors import NonFiniteLossError
 from xbn.config import ConfigError, Params, flatten
 from xbn.data import ImageDataset, build_transform, encode_labels, read_manifest
 from xbn.data.dataset import collate_skipping, loader_worker_init
 from xbn.data.samplers import build_batch_sampler
 from xbn.evaluation.embed import autocast, evaluate_split, image_loader
 from xbn.evaluation.embed import embed as embed_images
-from xbn.memory import Criterion, build_criterion
+from xbn.training.criterion import Criterion, build_criterion
 from xbn.models import build_embedder, save_embedder
 from xbn.models.mpn import save_mpn
 from xbn.training.batches import RankBatchSampler, RequestedBatches, SeededSamples
 from xbn.training.diagnostics import FeatureDrift
-from xbn.utils.io import save_torch, write_json, write_text
+from xbn.utils.io import save_torch, write_csv, write_json
+from xbn.utils.runtime import resolve_device, seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +57,6 @@ EpochCallback = Callable[[int, dict], None]
 # Fixed columns so the DVC plots find them whatever the memory method (empty where it does not apply).
 STEP_COLUMNS = ["iteration", "epoch", "loss", "lr", "drift_mean", "drift_max", "gain", "memory_mean", "memory_std",
                 "batch_mean", "batch_std", "scale"]
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss became NaN/inf: training stops, the last good checkpoint is kept."""
 
 
 class CheckpointMismatchError(ConfigError):
@@ -102,23 +99,6 @@ def checkpoint_identity(path: str | Path) -> dict | None:
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     return {"params_hash": state.get("params_hash"), "flow_run_id": state.get("flow_run_id"),
             "epoch": int(state.get("epoch", 0))}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"train.device={name} but CUDA is not available on this machine")
-    if device.type == "cuda" and distributed.world_size() > 1:
-        return torch.device("cuda", distributed.local_rank())  # one GPU per process: the one torchrun assigns
-    return device
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 @dataclass
@@ -481,16 +461,8 @@ class Trainer:
         write_csv(self.metrics_dir / "train_epochs.csv", self.history.epochs)
 
 
-def write_csv(path: Path, rows: list[dict], columns: list[str] | None = None) -> None:
-    columns = columns or list(dict.fromkeys(k for row in rows for k in row))
-    lines = [",".join(columns)]
-    lines += [",".join("" if row.get(c) is None else f"{row[c]:.6g}" if isinstance(row.get(c), float)
-                       else str(row[c]) for c in columns) for row in rows]
-    write_text(path, "\n".join(lines) + "\n")
-
-
-def train(params: Params, resume: bool = False, progress: bool = True,
-          on_epoch: EpochCallback | None = None, flow_run_id: str | None = None) -> dict:
+def fit(params: Params, resume: bool = False, progress: bool = True,
+        on_epoch: EpochCallback | None = None, flow_run_id: str | None = None) -> dict:
     trainer = Trainer(params, progress=progress, on_epoch=on_epoch, flow_run_id=flow_run_id)
     if resume:
         trainer.resume()

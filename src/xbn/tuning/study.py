@@ -134,7 +134,7 @@ class Objective:
         }))
 
     def __call__(self, trial: optuna.Trial) -> float:
-        from xbn.stages.train import train
+        from xbn.training import fit  # a trial is the bare loop: its params turn tracking off
 
         sampled = self.space.sample(trial)
         params = self.trial_params(trial.number, sampled)
@@ -142,7 +142,7 @@ class Objective:
         trial.set_user_attr(WORKER_ATTR, worker_id())  # who runs it: a journal's stand-in for heartbeats
         state, value = "FAIL", None
         try:
-            summary = train(params, progress=False, on_epoch=self._reporter(trial, run))
+            summary = fit(params, progress=False, on_epoch=self._reporter(trial, run))
             value = summary.get(f"best_{OBJECTIVE}")
             if value is None:
                 raise RuntimeError(f"trial {trial.number}: training reported no {OBJECTIVE}")
@@ -182,7 +182,7 @@ def run_worker(session: StudySession, objective: Objective | Callable[[optuna.Tr
     """Run trials until the study has `trials` of them (or `timeout_s` passed); returns how many ran here.
     Trials whose configuration diverges (non-finite loss) or runs out of memory fail and the study goes on;
     any other error marks the trial failed and stops this worker."""
-    from xbn.training.trainer import NonFiniteLossError
+    from xbn.utils.errors import NonFiniteLossError
 
     catch: tuple[type[Exception], ...] = (NonFiniteLossError, _out_of_memory())
     study, deadline, ran = session.study, None if timeout_s is None else time.monotonic() + timeout_s, 0

@@ -1,5 +1,16 @@
-"""Exceptions the CLI maps to exit codes without importing the heavy modules that raise them."""
+"""The exit codes of every `xbn` command, and the exceptions the CLI maps to them without importing the heavy
+modules that raise them."""
+
+EXIT_FAILURE = 1  # an error of the run itself (a non-finite loss, a rollback with nothing to restore)
+EXIT_CONFIG = 2  # params.yaml or a --set is wrong: the message names the key
+EXIT_DATA = 3  # the data (or a file a stage needs) is missing or fails validation
+EXIT_SERVICE = 4  # a service the run needs (the MLflow tracking store) cannot be reached
 
 
 class ServiceUnavailableError(ConnectionError):
     """A service the run needs (the MLflow tracking store) cannot be reached; the message names it."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss, a gain or a memory statistic became NaN/inf: training stops (the message names the iteration),
+    the last good checkpoint is kept."""

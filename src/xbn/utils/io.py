@@ -129,3 +129,11 @@ def file_digest(path: str | Path, algorithm: str = "sha256") -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def write_csv(path: Path, rows: list[dict], columns: list[str] | None = None) -> None:
+    columns = columns or list(dict.fromkeys(k for row in rows for k in row))
+    lines = [",".join(columns)]
+    lines += [",".join("" if row.get(c) is None else f"{row[c]:.6g}" if isinstance(row.get(c), float)
+                       else str(row[c]) for c in columns) for row in rows]
+    write_text(path, "\n".join(lines) + "\n")

@@ -1,38 +1,22 @@
-"""The params.yaml schema: every stage reads its settings through `load_params`, which validates them first.
-
-An unknown key, a wrong type or an impossible value raises `ConfigError` naming the dotted key, before any
-work starts (the CLI turns it into a non-zero exit).
-"""
+"""The params.yaml schema: one pydantic section per stage, every float finite, every check across keys named
+by the keys it involves."""
 
 from __future__ import annotations
 
-import copy
-import difflib
 import math
 import re
 import warnings
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from xbn.config.errors import close_matches
+from xbn.config.tune_space import dimension_problem, key_problem
 
 DATASETS = ("glyphs", "cub", "cars196", "sop", "inshop", "deepfashion2", "folder", "csv")
 MEMORY_METHODS = ("none", "xbm", "xbn", "axbn", "ema", "axbn_auto")
 LAMBDA_KEY = "memory.kalman.r/q"  # tune.space's lambda = r/q of AXBN (tune.lambda_mode)
-
-
-class ConfigError(ValueError):
-    """A params file or override that does not fit the schema; the message names the key."""
-
-
-def close_matches(name: str, candidates, n: int = 5) -> list[str]:
-    """Up to `n` of `candidates` that look like `name` (difflib, ignoring case), best first."""
-    by_lower: dict[str, str] = {}
-    for candidate in candidates:
-        by_lower.setdefault(str(candidate).lower(), str(candidate))
-    return [by_lower[m] for m in difflib.get_close_matches(name.lower(), list(by_lower), n=n, cutoff=0.6)]
 
 
 DEVICES = ("auto", "cpu", "cuda", "cuda:0")
@@ -327,7 +311,7 @@ class TrackingConfig(Section):
 
 class RegistryConfig(Section):
     """`xbn register`'s promotion gate: the challenger and the champion are both embedded on `gate_split`
-    (never the test split) and compared query by query with a paired bootstrap (see `xbn.stages.gate`)."""
+    (never the test split) and compared query by query with a paired bootstrap (see `xbn.stages.promotion`)."""
 
     model_name: str = "xbn-embedder"
     # A per-query metric (the bootstrap resamples queries): recall@k, map@r or r_precision.
@@ -407,14 +391,8 @@ class TuneConfig(Section):
     @model_validator(mode="after")
     def _space_is_valid(self):
         for key, dim in self.space.items():
-            if problem := self._dimension_problem(dim):
+            if problem := dimension_problem(dim):
                 raise ValueError(f"tune.space.{key}: {problem}")
-        schema = globals().get("Params")  # None only for the default built while `Params` itself is defined
-        for key in self.space if schema else ():
-            if key == LAMBDA_KEY:
-                continue
-            if problem := self._key_problem(schema, key):
-                raise ValueError(f"tune.space: '{key}' {problem}")
         if LAMBDA_KEY in self.space and not self.lambda_mode:
             raise ValueError(f"tune.space.{LAMBDA_KEY} needs tune.lambda_mode: true")
         kalman = {"memory.kalman.r", "memory.kalman.q"} & self.space.keys()
@@ -425,45 +403,6 @@ class TuneConfig(Section):
                                      f"float entries for 'memory.kalman.r' and 'memory.kalman.q' (missing "
                                      f"'{key}'; lambda = r/q spans the range of the two)")
         return self
-
-    @staticmethod
-    def _dimension_problem(dim: "TuneConfig.Dimension") -> str | None:
-        if dim.type == "categorical":
-            return None if dim.choices and dim.low is None and dim.high is None else \
-                "a categorical dimension needs non-empty 'choices' and no low/high"
-        if dim.low is None or dim.high is None or dim.low > dim.high or dim.choices is not None:
-            return f"a {dim.type} dimension needs low <= high and no 'choices'"
-        if dim.step is not None and dim.step <= 0:
-            return "step must be above 0"
-        if dim.log and (dim.low <= 0 or dim.step is not None):
-            return "a log dimension needs low > 0 and no step"
-        if dim.type == "int" and not all(float(v).is_integer() for v in (dim.low, dim.high, dim.step or 1)):
-            return "an int dimension needs whole low, high and step"
-        return None
-
-    @staticmethod
-    def _key_problem(schema: type[BaseModel], key: str) -> str | None:
-        """Why a dotted key names no single value of the schema (None when it does)."""
-        model: type[BaseModel] | None = schema
-        parts = key.split(".")
-        if parts[0] == "tune":
-            return "cannot be tuned (it configures the tuning)"
-        for i, part in enumerate(parts):
-            if model is None:  # inside a free-form mapping such as loss.params: any key is fine
-                return None
-            field = model.model_fields.get(part)
-            if field is None:
-                return f"is not a params key ('{part}' is unknown)"
-            kind, last = field.annotation, i == len(parts) - 1
-            is_section = isinstance(kind, type) and issubclass(kind, BaseModel)
-            is_mapping = getattr(kind, "__origin__", None) is dict
-            if last:
-                return "is a section, not a value" if is_section or is_mapping else None
-            if not (is_section or is_mapping):
-                return f"is not a params key ('{part}' is a value)"
-            model = kind if is_section else None
-        return None
-
 
 # The `validate` stage's section shadows pydantic's deprecated `BaseModel.validate` classmethod; harmless.
 warnings.filterwarnings("ignore", message='Field name "validate"', category=UserWarning)
@@ -481,6 +420,13 @@ class Params(Section):
     tracking: TrackingConfig = TrackingConfig()
     registry: RegistryConfig = RegistryConfig()
     tune: TuneConfig = TuneConfig()
+
+    @model_validator(mode="after")
+    def _tuned_keys_exist(self):  # here, not in TuneConfig: the keys are checked against this whole schema
+        for key in self.tune.space:
+            if key != LAMBDA_KEY and (problem := key_problem(type(self), key)):
+                raise ValueError(f"tune.space: '{key}' {problem}")
+        return self
 
     @model_validator(mode="after")
     def _mpn_fits(self):
@@ -513,114 +459,3 @@ class Params(Section):
         return self
 
 
-def _format_error(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{key}'")
-        elif e["type"] == "value_error" and isinstance(e.get("input"), dict):  # a check across keys: its message names them
-            lines.append(e["msg"].removeprefix("Value error, "))
-        else:
-            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
-    return "invalid params: " + "; ".join(lines)
-
-
-def _parse_value(text: str) -> Any:
-    # YAML gives "3" -> 3, "1e-3" -> 0.001, "[1, 2]" -> list, "null" -> None, anything else a string.
-    value = yaml.safe_load(text)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
-
-
-def apply_overrides(raw: dict, overrides: list[str] | None) -> dict:
-    """Apply `key.sub=value` overrides. Unknown keys are left for the schema to refuse by their dotted name."""
-    raw = copy.deepcopy(raw)
-    for item in overrides or []:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"override '{item}' is not of the form key=value")
-        *sections, leaf = key.strip().split(".")
-        target = raw
-        for part in sections:
-            target = target.setdefault(part, {})
-            if not isinstance(target, dict):
-                raise ConfigError(f"override '{item}': '{part}' is a value, not a section")
-        try:
-            target[leaf] = _parse_value(text)
-        except yaml.YAMLError as exc:  # e.g. an unclosed bracket or a control character
-            problem = str(exc).splitlines()[0]
-            raise ConfigError(f"override '{key.strip()}': {text!r} is not a valid value ({problem})") from None
-    return raw
-
-
-def load_params(path: str | Path | None = "params.yaml", overrides: list[str] | None = None, *,
-                resolve_names: bool = True) -> Params:
-    """The validated params of `path` with `overrides`; with `resolve_names` (the default) `check_names` also
-    resolves the loss, miner, backbone and device, which imports torch, pytorch-metric-learning and timm
-    (seconds in a fresh process; the CLI skips it for the stages that use none of them)."""
-    raw: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"params file not found: {path}")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path} must hold a mapping of sections")
-    raw = apply_overrides(raw, overrides)
-    try:
-        params = Params.model_validate(raw)
-    except ValidationError as err:
-        raise ConfigError(_format_error(err)) from None
-    if resolve_names:
-        check_names(params)
-    return params
-
-
-def check_names(params: Params) -> None:
-    """Resolve every name the params give against what is installed, before any data is read: loss.name and
-    loss.miner (pytorch-metric-learning classes, or ours) and the arguments in loss.params, loss.miner_params
-    and refine.loss_params (the constructors' signatures), model.backbone (timm) and train.device (CUDA).
-    Raises ConfigError naming the key and the close matches. The libraries are imported here, not at module
-    import, so `import xbn.config` stays light."""
-    from xbn.losses import FILLED_LOSS_ARGUMENTS, check_arguments, loss_class, miner_class
-    from xbn.models.backbone import check_backbone
-
-    loss = params.loss
-    check_arguments(loss_class(loss.name), loss.params, "loss.params", filled=FILLED_LOSS_ARGUMENTS,
-                    owner=f"loss.name={loss.name}")
-    if loss.miner is not None:
-        check_arguments(miner_class(loss.miner), loss.miner_params, "loss.miner_params",
-                        owner=f"loss.miner={loss.miner}")
-    check_arguments(loss_class("MultiSimilarityLoss"), params.refine.loss_params, "refine.loss_params",
-                    owner="MultiSimilarityLoss (the refiner's loss)")
-    check_backbone(params.model.backbone, params.model.pretrained, params.model.pretrained_path)
-    device = params.train.device
-    if device.startswith("cuda"):
-        import torch
-
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = int(device.partition(":")[2] or 0)
-        if index >= count:
-            raise ConfigError(f"train.device: {device} but this machine has "
-                              f"{f'{count} CUDA device(s)' if count else 'no CUDA device'}: use auto or cpu")
-
-
-def flatten(params: Params | dict, prefix: str = "") -> dict[str, Any]:
-    """`{"memory": {"kalman": {"r": 1}}}` -> `{"memory.kalman.r": 1}` (for tracking and hashing)."""
-    data = params.model_dump() if isinstance(params, BaseModel) else params
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
-            out.update(flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out

@@ -40,6 +40,9 @@ from xbn.tracking.registry import SHA_TAG
 
 log = logging.getLogger(__name__)
 
+CHAMPION, CHALLENGER = "champion", "challenger"
+GATE = "gate"  # `decided_by` of the automatic decisions
+
 _EPS = 1e-12  # absorbs float rounding in the guarded differences only
 
 
@@ -218,7 +221,7 @@ def score(params: Params, checkpoint: str | Path, image_size: int | None = None)
     from xbn.evaluation.embed import embed_protocol
     from xbn.evaluation.metrics import retrieval_metrics
     from xbn.models import load_embedder
-    from xbn.training.trainer import resolve_device
+    from xbn.utils.runtime import resolve_device
 
     cfg = params.registry
     device = resolve_device(params.train.device)
@@ -253,3 +256,14 @@ def _ks(params: Params) -> tuple[int, ...]:
 
 def _signed(value: float) -> str:
     return f"{value + 0.0:+.4f}"  # + 0.0 turns -0.0 into 0.0
+
+
+def make_champion(registry: Registry, version: int, champion: ModelVersionInfo | None) -> None:
+    """Move `champion` to `version` (under the caller's registry lock), recording the champion it replaces;
+    a challenger that becomes champion loses the `challenger` alias."""
+    if champion is not None and champion.version != version:
+        registry.set_tags(version, {"previous_champion": champion.version})
+    registry.set_alias(CHAMPION, version)
+    challenger = registry.by_alias(CHALLENGER)
+    if challenger is not None and challenger.version == version:  # it is no longer a challenger
+        registry.remove_alias(CHALLENGER)

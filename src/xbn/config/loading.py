@@ -1,0 +1,61 @@
+"""Reading params.yaml: YAML, then the overrides, then the schema; every problem a `ConfigError` by key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from xbn.config.errors import ConfigError
+from xbn.config.overrides import apply_overrides
+from xbn.config.schema import Params
+
+
+def load_params(path: str | Path | None = "params.yaml", overrides: list[str] | None = None) -> Params:
+    """The validated params of `path` with `overrides`. The names they give (loss, miner, backbone, device)
+    are resolved against the installed libraries by `xbn.stages.names.check_names`, a layer up."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"params file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections")
+    raw = apply_overrides(raw, overrides)
+    try:
+        params = Params.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+    return params
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown key '{key}'")
+        elif e["type"] == "value_error" and isinstance(e.get("input"), dict):  # a check across keys: its message names them
+            lines.append(e["msg"].removeprefix("Value error, "))
+        else:
+            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+    return "invalid params: " + "; ".join(lines)
+
+
+def flatten(params: Params | dict, prefix: str = "") -> dict[str, Any]:
+    """`{"memory": {"kalman": {"r": 1}}}` -> `{"memory.kalman.r": 1}` (for tracking and hashing)."""
+    data = params.model_dump() if isinstance(params, BaseModel) else params
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out

@@ -1,0 +1,186 @@
+"""How a registry version is presented to a reviewer: the model card (the version's description), the
+`xbn registry review` table and the gate's tags. What is decided is in `promotion.py`; this only shows it."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from xbn.config import Params, RegistryConfig, flatten
+from xbn.stages.promotion import CHAMPION, GATE, Comparison, Decision, report_metrics
+from xbn.tracking import ModelVersionInfo, PipelineRun, run_summary
+from xbn.tracking.runs import metric_key
+from xbn.tracking.services import mask_secrets
+
+# The params a reader of the model card wants first; the full set is in the run.
+KEY_PARAMS = ("data.dataset", "data.image_size", "model.backbone", "model.pretrained", "model.embedding_dim",
+              "memory.method", "memory.size", "loss.name", "loss.memvir.enabled", "train.epochs",
+              "train.warmup_epochs", "train.lr", "train.batch_size", "train.samples_per_class", "train.seed")
+GATE_INTERVAL_TAG = "gate_interval"  # the comparison in short: `+0.0120 [-0.0040, +0.0290] vs v2`
+# A version's tags are what a reviewer scans across versions in the MLflow UI's versions table, in the order
+# it lists them: `decision`, `decided_by`, the gate's result when compared (`val_recall_at_1`,
+# `gate_interval`), `data_hash`, `params_hash`, `model_sha256`, `served_embedding`, then `decided_at` and
+# `reason`; `previous_champion` is added when the version replaces a champion. Everything else is in the model
+# card and on the logged model (`Registry.record`). The set is pinned by tests/tracking/test_registry.py.
+
+
+def review_table(params: Params, champion: ModelVersionInfo | None, other: ModelVersionInfo | None,
+                 other_title: str) -> str:
+    """`xbn registry review`'s text: the champion and `other` side by side, metrics with differences, hashes,
+    dates and decision tags."""
+    cfg = params.registry
+    columns = [(CHAMPION, champion), (other_title, other)]
+    base = champion.metrics if champion else {}
+
+    def metric_cell(info: ModelVersionInfo | None, name: str) -> str:
+        if info is None or name not in info.metrics:
+            return "-"
+        value = info.metrics[name]
+        if info is champion or name not in base:
+            return f"{value:.4f}"
+        return f"{value:.4f} ({value - base[name]:+.4f})"
+
+    names = _ordered({n for _, info in columns if info for n in info.metrics}, cfg)
+    rows: list[tuple[str, list[str]]] = [("", [f"{title} v{info.version}" if info else f"{title}: none"
+                                               for title, info in columns])]
+    rows += [("created", [_cell(info, lambda i: i.created_at) for _, info in columns])]
+    rows += [(_mark(n, cfg), [metric_cell(info, n) for _, info in columns]) for n in names]
+    for label, key, n in (("params hash", "params_hash", 12), ("data hash", "data_hash", 12),
+                          ("model sha256", "model_sha256", 12), ("decision", "decision", 40),
+                          ("decided by", "decided_by", 40), ("decided at", "decided_at", 40),
+                          ("previous champion", "previous_champion", 40)):
+        cells = [_cell(info, lambda i, k=key, n=n: _short(i.tags.get(k), n)) for _, info in columns]
+        rows.append((label, cells))
+    rows.append(("run", [_cell(info, lambda i: _short(i.run_id, 12)) for _, info in columns]))
+    width = max(len(label) for label, _ in rows) + 2
+    cell_w = max(len(c) for _, cells in rows for c in cells) + 2
+    lines = [f"{cfg.model_name}"]
+    lines += [label.ljust(width) + "".join(c.ljust(cell_w) for c in cells).rstrip() for label, cells in rows]
+    lines.append(f"metrics above: split {params.eval.split}, for reporting only. Promotion is decided on "
+                 f"{cfg.gate_split}: * primary metric, {required(cfg)}; + guarded, may fall by at most "
+                 f"{cfg.tolerance:g} on {cfg.gate_split}")
+    for title, info in columns:
+        if info is not None and (gate := gate_line(info)):
+            lines.append(f"{title} v{info.version} gate: {gate}")
+    for title, info in columns:
+        if info is not None and info.tags.get("reason"):
+            lines.append(f"{title} v{info.version} reason: {info.tags['reason']}")
+    return "\n".join(lines)
+
+
+def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersionInfo | None,
+               decision: Decision, run: PipelineRun) -> str:
+    """The version's description (Markdown): metrics beside the champion's, data version, key params,
+    links to the run, the model and the retrieval grid."""
+    cfg = params.registry
+    summary = run_summary(run.run_id, params)
+    metrics, champ = version.metrics, champion.metrics if champion else {}
+    vs = f"champion v{champion.version}" if champion else "champion (none)"
+    lines = [f"# {version.name} v{version.version}", "",
+             f"**Decision:** {decision.decision} ({GATE}): {decision.reason}", ""]
+    lines += gate_section(decision.comparison, version, cfg)
+    lines += ["## Test metrics (reporting only)",
+              f"Split `{params.eval.split}`, from `{params.eval.output}`; never used to promote. The "
+              f"champion's values are from its own registration, possibly on other data.", "",
+              f"| metric | v{version.version} | {vs} | change |", "|---|---:|---:|---:|"]
+    for name in _ordered(metrics.keys() | champ.keys(), cfg):
+        mine, theirs = metrics.get(name), champ.get(name)
+        change = f"{mine - theirs:+.4f}" if mine is not None and theirs is not None else ""
+        lines.append(f"| {_mark(name, cfg)} | {_num(mine)} | {_num(theirs)} | {change} |")
+    champion_hash = champion.tags.get("data_hash") if champion else None
+    if champion is None:
+        same = ""
+    elif champion_hash == version.tags.get("data_hash"):
+        same = " (same as the champion's)"
+    else:
+        same = f" (champion: `{champion_hash}`)"
+    flat = flatten(params)
+    lines += ["", "## Data",
+              f"{params.data.dataset} at `{params.data.root}`: promotion decided on split "
+              f"`{cfg.gate_split}`, reported on split `{params.eval.split}`; manifest "
+              f"`{params.data.manifest}` md5 "
+              f"`{version.tags.get('data_hash')}`{same}.",
+              "", "## Key params", *(f"- `{k}`: {flat[k]}" for k in KEY_PARAMS if k in flat),
+              f"- params hash: `{version.tags.get('params_hash')}`",
+              f"- git commit: `{summary['tags'].get('git_commit', 'unknown')}`",
+              "", "## Links", f"- run: `runs:/{run.run_id}` (experiment {summary['experiment_id']})",
+              f"- model: `{version.source}` (model.pt sha256 `{version.tags.get('model_sha256')}`)"]
+    if run.tracking_uri.startswith(("http://", "https://")):
+        ui = mask_secrets(run.tracking_uri).rstrip("/")  # the card is public to every registry reader
+        lines.append(f"- run in the UI: {ui}/#/experiments/{run.experiment_id}"
+                     f"/runs/{run.run_id}")
+    grid = "plots/retrieval_grid.png"
+    lines.append(f"- retrieval grid: {summary['artifact_uri']}/{grid}" if grid in summary["artifacts"]
+                 else "- retrieval grid: not logged for this run")
+    return "\n".join(lines) + "\n"
+
+
+def gate_tags(comparison: Comparison | None) -> dict[str, str]:
+    """The gate's result as a reviewer scans it in a narrow table cell: the challenger's primary metric on the
+    gate split (tag `val_recall_at_1`: MLflow keys cannot hold '@') and the interval, numbers first. The full
+    statement is in the model card, the reason and `review`."""
+    if comparison is None:
+        return {}
+    c = comparison
+    value = c.challenger.get(c.metric)
+    primary = {} if value is None else {f"{c.split}_{metric_key(c.metric)}": f"{value:.4f}"}
+    return {**primary, GATE_INTERVAL_TAG: c.short()}
+
+
+def gate_line(info: ModelVersionInfo) -> str | None:
+    """The gate's full statement about `info` (from its recorded comparison; the tag of a version registered
+    when the tag held the full statement)."""
+    if info.gate is None:
+        return info.tags.get(GATE_INTERVAL_TAG)
+    c = Comparison.from_dict(info.gate)
+    return f"{c.interval()} vs champion v{c.champion_version}"
+
+
+def gate_section(comparison: Comparison | None, version: ModelVersionInfo, cfg: RegistryConfig) -> list[str]:
+    """The model card's account of the gate: the interval and both models' metrics on the gate split."""
+    if comparison is None:
+        return []
+    c = comparison
+    lines = ["## Promotion gate", f"{c.interval()} vs champion v{c.champion_version}, seed {c.seed}: "
+             f"mean(challenger - champion) of the per-query {c.metric} and its percentile interval; both "
+             f"models embedded on the current `{c.split}` rows.", "",
+             f"| metric on {c.split} | v{version.version} | champion v{c.champion_version} | change |",
+             "|---|---:|---:|---:|"]
+    mine, theirs = report_metrics(c.challenger, cfg), c.champion
+    for name in _ordered(mine.keys(), cfg):
+        other = theirs.get(name)
+        change = f"{mine[name] - other:+.4f}" if other is not None else ""
+        lines.append(f"| {_mark(name, cfg)} | {_num(mine[name])} | {_num(other)} | {change} |")
+    return [*lines, ""]
+
+
+def required(cfg: RegistryConfig) -> str:
+    return (f"the lower bound of its {cfg.confidence * 100:g}% paired-bootstrap interval (challenger - "
+            f"champion) must exceed {cfg.min_improvement:+g}")
+
+
+def _ordered(names: Iterable[str], cfg: RegistryConfig) -> list[str]:
+    """Primary metric first, then the guarded ones, then the rest in natural order (recall@2 before @10)."""
+    names = set(names)
+    head = [n for n in (cfg.primary_metric, *cfg.guarded_metrics) if n in names]
+    def natural(name: str) -> list:
+        return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+    return list(dict.fromkeys(head)) + sorted(names - set(head), key=natural)
+
+
+def _mark(name: str, cfg: RegistryConfig) -> str:
+    return name + (" *" if name == cfg.primary_metric else " +" if name in cfg.guarded_metrics else "")
+
+
+def _cell(info: ModelVersionInfo | None, get) -> str:
+    return "-" if info is None else (get(info) or "-")
+
+
+def _short(value: Any, n: int = 12) -> str:
+    return "-" if value in (None, "") else str(value)[:n]
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
