@@ -16,6 +16,7 @@ from xbn.config.schema import (
     DataConfig,
     EvalConfig,
     GlyphsConfig,
+    IndexConfig,
     KalmanConfig,
     LossConfig,
     MemoryConfig,
@@ -27,6 +28,7 @@ from xbn.config.schema import (
     RegistryConfig,
     RhoConfig,
     SamplerConfig,
+    ServeConfig,
     TrackingConfig,
     TrainConfig,
     TuneConfig,
@@ -34,7 +36,7 @@ from xbn.config.schema import (
 )
 
 __all__ = ["DATASETS", "DEVICES", "LAMBDA_KEY", "MEMORY_METHODS", "ConfigError", "DataConfig", "EvalConfig",
-           "GlyphsConfig", "KalmanConfig", "LossConfig", "MemVirConfig", "MemoryConfig", "ModelConfig",
-           "MpnConfig", "Params", "RefineConfig", "RegistryConfig", "RhoConfig", "SamplerConfig",
-           "TrackingConfig", "TrainConfig", "TuneConfig", "ValidateConfig", "apply_overrides", "close_matches",
-           "flatten", "load_params"]
+           "GlyphsConfig", "IndexConfig", "KalmanConfig", "LossConfig", "MemVirConfig", "MemoryConfig",
+           "ModelConfig", "MpnConfig", "Params", "RefineConfig", "RegistryConfig", "RhoConfig",
+           "SamplerConfig", "ServeConfig", "TrackingConfig", "TrainConfig", "TuneConfig", "ValidateConfig",
+           "apply_overrides", "close_matches", "flatten", "load_params"]

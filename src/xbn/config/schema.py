@@ -404,6 +404,49 @@ class TuneConfig(Section):
                                      f"'{key}'; lambda = r/q spans the range of the two)")
         return self
 
+INDEX_TYPES = ("flat", "ivf_flat", "ivf_pq", "hnsw")
+
+
+class IndexConfig(Section):
+    """Stage `index`: the catalogue's faiss index, built with the model being registered (xbn.serving.index)."""
+
+    source: str = "test"  # "test" (the manifest's gallery) or a folder / manifest-format CSV of images
+    type: Literal[INDEX_TYPES] = "flat"
+    min_rows_approx: int = Field(10_000, ge=0)  # fewer rows: an approximate type is built as flat
+    nlist: int | None = Field(None, ge=1)  # IVF cells; None: 4·sqrt(rows), at least 39 rows per cell
+    nprobe: int = Field(16, ge=1)  # IVF cells visited per query
+    pq_m: int = Field(16, ge=1)  # PQ sub-quantizers (must divide the embedding dimension)
+    pq_nbits: int = Field(8, ge=1, le=16)  # bits per sub-quantizer code
+    hnsw_m: int = Field(32, ge=2)  # HNSW neighbours per node
+    ef_construction: int = Field(80, ge=1)
+    ef_search: int = Field(64, ge=1)
+    recall_queries: int = Field(1000, ge=1)  # held-out queries for the recall@10 measurement
+    seed: int = 0
+    batch_size: int = Field(64, ge=1)  # embedding batch size
+    output: str = "models/index"
+    metrics: str = "metrics/index.json"  # type, count and recall@10 (a DVC metric: outside the index folder)
+
+
+class ServeConfig(Section):
+    """`xbn serve` and `xbn search`: the HTTP endpoint's limits and the registry alias they follow."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    alias: str = "champion"  # the registry alias followed
+    poll_interval_s: float = Field(30.0, ge=0)  # 0: no polling (SIGHUP still reloads)
+    max_upload_bytes: int = Field(10 * 1024 * 1024, ge=1)
+    max_pixels: int = Field(40_000_000, ge=1)  # a small file can decode to a huge picture
+    default_k: int = Field(10, ge=1)
+    max_k: int = Field(100, ge=1)
+    cache_dir: str = "models/served"  # registry versions downloaded here (v<N>/: checkpoint and index)
+
+    @model_validator(mode="after")
+    def _k_fits(self):
+        if self.default_k > self.max_k:
+            raise ValueError(f"serve.default_k ({self.default_k}) exceeds serve.max_k ({self.max_k})")
+        return self
+
+
 # The `validate` stage's section shadows pydantic's deprecated `BaseModel.validate` classmethod; harmless.
 warnings.filterwarnings("ignore", message='Field name "validate"', category=UserWarning)
 
@@ -420,6 +463,8 @@ class Params(Section):
     tracking: TrackingConfig = TrackingConfig()
     registry: RegistryConfig = RegistryConfig()
     tune: TuneConfig = TuneConfig()
+    index: IndexConfig = IndexConfig()
+    serve: ServeConfig = ServeConfig()
 
     @model_validator(mode="after")
     def _tuned_keys_exist(self):  # here, not in TuneConfig: the keys are checked against this whole schema

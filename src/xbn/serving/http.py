@@ -32,8 +32,8 @@ from fastapi import FastAPI, File, Form, HTTPException, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
 
+from xbn.config import ServeConfig
 from xbn.serving.index import CatalogueIndex
 from xbn.serving.model import ServedModel, UnreadableImage, decode_image, load_served_model
 from xbn.serving.search import neighbours
@@ -44,21 +44,6 @@ log = logging.getLogger(__name__)
 TOKEN_ENV, TOKEN_FILE_ENV = "XBN_SERVE_TOKEN", "XBN_SERVE_TOKEN_FILE"
 OPEN_PATHS = frozenset({"/health"})  # reachable without the token: a load balancer's probe has none
 _FORM_OVERHEAD = 64 * 1024  # multipart boundaries and the k field around the image bytes
-
-
-class ServeConfig(BaseModel):
-    """The `serve` params section."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    alias: str = "champion"  # the registry alias followed
-    poll_interval_s: float = Field(30.0, ge=0)  # 0: no polling (SIGHUP still reloads)
-    max_upload_bytes: int = Field(10 * 1024 * 1024, ge=1)
-    max_pixels: int = Field(40_000_000, ge=1)  # a small file can decode to a huge picture
-    default_k: int = Field(10, ge=1)
-    max_k: int = Field(100, ge=1)
 
 
 @dataclass(frozen=True)
@@ -228,9 +213,7 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI app serving `model_source`. `token`: the bearer token, None for open access; by default
     read from the environment (`token_from_env`)."""
-    cfg = config or ServeConfig()
-    if cfg.default_k > cfg.max_k:
-        raise ValueError(f"default_k ({cfg.default_k}) exceeds max_k ({cfg.max_k})")
+    cfg = config or ServeConfig()  # its validator keeps default_k <= max_k
     secret = token_from_env() if token is ... else token
     holder = Holder(model_source)
 

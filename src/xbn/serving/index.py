@@ -25,15 +25,16 @@ from typing import Any, Literal
 import faiss
 import numpy as np
 import pandas as pd
-from pydantic import BaseModel, ConfigDict, Field
 
+from xbn.config import IndexConfig
+from xbn.config.schema import INDEX_TYPES
 from xbn.evaluation.knn import as_float32_matrix, knn_search
 from xbn.serving.model import ServedModel
 from xbn.utils.io import atomic_path, file_digest, write_json
 
 log = logging.getLogger(__name__)
 
-IndexType = Literal["flat", "ivf_flat", "ivf_pq", "hnsw"]
+IndexType = Literal[INDEX_TYPES]
 INDEX_FILE, IDS_FILE, META_FILE = "index.faiss", "ids.parquet", "index.json"
 FORMAT = "xbn-index/1"
 RECALL_K = 10
@@ -42,28 +43,6 @@ _MIN_POINTS_PER_CELL = 39  # faiss's k-means warns below this many training poin
 
 class IndexMismatch(ValueError):
     """An index used with a model other than the one that built it, or an inconsistent index folder."""
-
-
-class IndexConfig(BaseModel):
-    """The `index` params section (same strictness as the params schema: unknown keys and non-finite numbers
-    are refused; a plain BaseModel so that this module does not depend on the schema's layout)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    source: str = "test"  # "test" (the manifest's gallery) or a folder / manifest-format CSV of images
-    type: IndexType = "flat"
-    min_rows_approx: int = Field(10_000, ge=0)  # fewer rows: an approximate type is built as flat
-    nlist: int | None = Field(None, ge=1)  # IVF cells; None: 4·sqrt(rows), at least 39 rows per cell
-    nprobe: int = Field(16, ge=1)  # IVF cells visited per query
-    pq_m: int = Field(16, ge=1)  # PQ sub-quantizers (must divide the embedding dimension)
-    pq_nbits: int = Field(8, ge=1, le=16)  # bits per sub-quantizer code
-    hnsw_m: int = Field(32, ge=2)  # HNSW neighbours per node
-    ef_construction: int = Field(80, ge=1)
-    ef_search: int = Field(64, ge=1)
-    recall_queries: int = Field(1000, ge=1)  # held-out queries for the recall@10 measurement
-    seed: int = 0
-    batch_size: int = Field(64, ge=1)  # embedding batch size
-    output: str = "models/index"
 
 
 def effective_type(cfg: IndexConfig, rows: int) -> IndexType:
