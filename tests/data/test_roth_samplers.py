@@ -1,7 +1,9 @@
-"""Roth et al. 2020's batch samplers (xbn.data.samplers): SPC-R and the embedded greedy coreset, DDM and FRD."""
+"""Roth et al. 2020's batch samplers (xbn.data.samplers): SPC-R (b - 1 random images + one positive) and the
+embedded greedy coreset, DDM and FRD (best of m random batches from the pool by default, greedy as an option)."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from types import SimpleNamespace
 
@@ -11,18 +13,19 @@ import torch
 from scipy import linalg
 from scipy.stats import wasserstein_distance
 
-from xbn.config import ConfigError
+from xbn.config import ConfigError, load_params
 from xbn.data.samplers import SAMPLER_NAMES, build_batch_sampler
-from xbn.data.samplers.ddm import greedy_distance_match, histogram_wasserstein
-from xbn.data.samplers.embedded import pairwise_distances
-from xbn.data.samplers.frd import frechet_distance_to_pool, greedy_frechet_match
+from xbn.data.samplers.ddm import best_distance_match, greedy_distance_match, histogram_wasserstein
+from xbn.data.samplers.embedded import group_rows, pairwise_distances, random_group_batches
+from xbn.data.samplers.frd import best_frechet_match, frechet_distance_to_pool, greedy_frechet_match
 from xbn.data.samplers.greedy_coreset import k_center_greedy
 
 EMBEDDED = ("greedy_coreset", "ddm", "frd")
 
 
 def _config(name: str, **kw) -> SimpleNamespace:
-    return SimpleNamespace(**{"name": name, "candidates": 64, "trials": 0, "projection_dim": 0, "bins": 20, **kw})
+    return SimpleNamespace(**{"name": name, "draw": "image", "candidates": 64, "selection": "best_of_m",
+                              "candidate_batches": 10, "trials": 0, "projection_dim": 0, "bins": 20, **kw})
 
 
 def _clustered(classes: int, per_class: int, dim: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -61,13 +64,104 @@ def test_batches_have_the_right_size_valid_indices_and_repeat_under_a_seed(name)
     assert list(_sampler(name, labels, emb, seed=1)) != list(_sampler(name, labels, emb, seed=0))
 
 
-def test_spc_r_visits_every_image_once_per_pass_without_class_structure():
-    labels = np.repeat(np.arange(12), 8)  # 96 images, 6 batches of 16 per pass
-    sampler = build_batch_sampler(_config("spc_r"), labels, 16, 4, seed=0)
-    batches = list(sampler)
-    assert len(batches) == 6 and sorted(i for b in batches for i in b) == list(range(96))
-    per_class = [sorted(Counter(labels[b].tolist()).values()) for b in batches]
-    assert any(counts != [4, 4, 4, 4] for counts in per_class)  # random, not P x M
+def test_spc_r_is_b_minus_1_random_images_plus_a_positive_of_one_of_them():
+    labels = np.repeat(np.arange(200), 2)  # 400 images, pairs only: 15 random images rarely hold a pair
+    sampler = build_batch_sampler(_config("spc_r"), labels, 16, 4, seed=3, batches_per_epoch=40)
+    sampler.set_epoch(1)
+    rng = np.random.default_rng([3, 1])  # the sampler's generator for (seed, epoch), replayed
+    pairs_among_random = 0
+    for batch in sampler:
+        random_part, added = batch[:15], batch[15]
+        # Exactly b - 1 uniform draws without replacement, then the added image's draws.
+        assert random_part == rng.choice(400, size=15, replace=False).tolist()
+        rng.integers(15), rng.integers(1)  # the member chosen, then its class's other image (one left)
+        assert len(set(batch)) == 16 and added not in random_part
+        assert labels[added] in set(labels[random_part].tolist())  # the batch's guaranteed positive pair
+        pairs_among_random += len(set(labels[random_part].tolist())) < 15
+    assert pairs_among_random < 40  # without the added image some batches would have had no positive pair
+
+
+def test_spc_r_draws_images_uniformly_or_classes_uniformly():
+    # One class of 90 images and 10 classes of 2: image-uniform draws take the big class 90/110 = 0.82 of the
+    # time, class-uniform draws (Roth's code) 1/11 = 0.09.
+    labels = np.concatenate([np.zeros(90, int), np.repeat(np.arange(1, 11), 2)])
+
+    def big_share(draw: str) -> float:
+        sampler = build_batch_sampler(_config("spc_r", draw=draw), labels, 8, 4, seed=0, batches_per_epoch=300)
+        return float(np.mean([labels[b[:7]] == 0 for b in sampler]))
+
+    assert big_share("image") == pytest.approx(90 / 110, abs=0.03)
+    assert big_share("class") == pytest.approx(1 / 11, abs=0.03)
+
+
+def test_spc_r_refuses_labels_without_any_pair():
+    from xbn.data.errors import DatasetError
+
+    with pytest.raises(DatasetError, match="at least 2 images"):
+        build_batch_sampler(_config("spc_r"), np.arange(10), 4, 2, seed=0)
+
+
+def _two_clusters() -> np.ndarray:
+    """1-D pool of four groups of 2: A = {0, 1} twice, B = {5, 6} twice (groups 0, 1 in A; 2, 3 in B)."""
+    return np.array([0, 1, 0, 1, 5, 6, 5, 6], dtype=np.float64)[:, None]
+
+
+def test_ddm_best_of_m_keeps_the_candidate_whose_distance_histogram_is_closest():
+    # Pool pair distances (28 pairs): 0 x4, 1 x8, 4 x4, 5 x8, 6 x4. Candidates of two groups: {A, A} and
+    # {B, B} give 0 x2, 1 x4 (all short); {A, B} gives 1 x2, 4, 5 x2, 6, the pool's shape: it must win.
+    # W1 by the CDFs' difference: {A, B}: 1/7 + 3 (3/7 - 1/3) + (4/7 - 1/2) + (6/7 - 5/6) = 11/21;
+    # {A, A}: (1/3 - 1/7) + 3 (1 - 3/7) + 3/7 + 1/7 = 52/21. On bins of 0.1 every distance sits at its bin
+    # centre (+0.05) except the 6s (last bin: 5.95), which moves W1 by at most 0.1 x 1/7.
+    pool = _two_clusters()
+    dist = pairwise_distances(pool)
+    candidates = np.array([[0, 1], [2, 3], [0, 2]])
+    assert best_distance_match(dist, 2, candidates, bins=60) == 2
+    edges = np.linspace(0, 6, 61)
+    target = np.histogram(dist[np.triu_indices(8, 1)], edges)[0]
+    centres = (edges[:-1] + edges[1:]) / 2
+    w1 = [wasserstein_distance(centres, centres, np.histogram(dist[np.ix_(r, r)][np.triu_indices(4, 1)],
+                                                              edges)[0], target)
+          for r in ([0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 4, 5])]
+    np.testing.assert_allclose(w1, [52 / 21, 52 / 21, 11 / 21], atol=0.1 / 7 + 1e-9)
+
+
+def test_frd_best_of_m_keeps_the_candidate_whose_gaussian_is_closest():
+    # In 1-D the Frechet distance is (mu_p - mu_b)^2 + (sigma_p - sigma_b)^2 (sample variances): the pool has
+    # mean 3, variance 52/7; {A, B} = {0, 1, 5, 6} mean 3, variance 26/3; {A, A} mean 0.5, variance 1/3.
+    pool = _two_clusters()
+    candidates = np.array([[0, 1], [2, 3], [0, 2]])
+    assert best_frechet_match(pool, 2, candidates) == 2
+    fd = frechet_distance_to_pool(pool, np.array([[0, 1, 4, 5], [0, 1, 2, 3]]))
+    np.testing.assert_allclose(fd, [(math.sqrt(52 / 7) - math.sqrt(26 / 3)) ** 2,
+                                    2.5 ** 2 + (math.sqrt(52 / 7) - math.sqrt(1 / 3)) ** 2], rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["ddm", "frd"])
+def test_the_samplers_default_is_the_best_of_m_random_batches_from_the_pool(name):
+    labels, emb = _clustered(30, 6, 8)
+    sampler = _sampler(name, labels, emb, seed=4, candidate_batches=7)
+    assert sampler.selection == "best_of_m" and load_params(None).train.sampler.selection == "best_of_m"
+    rng = np.random.default_rng([4, 0])  # replay: the pool of b*/M groups, then m = 7 candidate batches
+    for batch in sampler:
+        pool = sampler._group_pool(rng)
+        candidates = random_group_batches(len(pool), 4, 7, rng)
+        assert candidates.shape == (7, 4) and all(len(set(c)) == 4 for c in candidates)
+        features = sampler.features(pool.ravel())
+        if name == "ddm":
+            score = [wasserstein_to_pool(features, group_rows(c[None], 4)[0]) for c in candidates]
+        else:
+            score = frechet_distance_to_pool(features, group_rows(candidates, 4))
+        assert batch == pool[candidates[int(np.argmin(score))]].ravel().tolist()
+
+
+def wasserstein_to_pool(features: np.ndarray, rows: np.ndarray, bins: int = 20) -> float:
+    """scipy's W1 between the distance histogram of `rows` and the pool's, on the pool's equal-width bins."""
+    dist = pairwise_distances(features)
+    upper = dist[np.triu_indices(len(dist), 1)]
+    edges = np.linspace(upper.min(), upper.max(), bins + 1)
+    centres = (edges[:-1] + edges[1:]) / 2
+    sub = dist[np.ix_(rows, rows)][np.triu_indices(len(rows), 1)]
+    return wasserstein_distance(centres, centres, np.histogram(sub, edges)[0], np.histogram(upper, edges)[0])
 
 
 def test_k_center_greedy_picks_the_farthest_points():

@@ -40,6 +40,21 @@ def test_spectral_decay_matches_a_hand_computation():
     assert spectral_decay(np.array([10.0, 3.0, 2.0, 1.0]), skip=1) == pytest.approx(math.log(4 / 3) / 3)
 
 
+def test_reported_rho_leaves_out_the_largest_singular_value():
+    # Roth et al. footnote 3: rows 10 e1, 3 e2, 2 e3, 1 e4 have singular values 10, 3, 2, 1; without the 10,
+    # S = (1/2, 1/3, 1/6) and rho = ln(4/3)/3 = 0.0959 (with it: S = (10, 3, 2, 1)/16, rho = 0.3627).
+    from xbn.config import load_params
+
+    x = np.diag([10.0, 3.0, 2.0, 1.0]).astype(np.float32)
+    labels = np.array([0, 0, 1, 1])
+    values, spectrum = embedding_space_metrics(x, labels, x, labels)
+    np.testing.assert_allclose(spectrum, [10.0, 3.0, 2.0, 1.0], rtol=1e-6)
+    assert values["rho_spectrum"] == pytest.approx(math.log(4 / 3) / 3, rel=1e-6)
+    full = 0.25 * sum(math.log(0.25 / (s / 16)) for s in (10, 3, 2, 1))
+    assert spectral_decay(spectrum) == pytest.approx(full, rel=1e-6) and full == pytest.approx(0.3627, abs=1e-4)
+    assert load_params(None).eval.spectrum_skip == 1  # what `xbn evaluate` passes
+
+
 def test_singular_values_match_numpy_svd_in_chunks():
     x = np.random.default_rng(1).standard_normal((300, 16)).astype(np.float32)
     np.testing.assert_allclose(singular_values(x, chunk_size=64), np.linalg.svd(x, compute_uv=False), rtol=1e-4)
@@ -131,7 +146,7 @@ def test_embedding_space_metrics_bundle(clustered):
     test, test_labels = clustered(n_classes=8, per_class=5, dim=8, noise=0.5, seed=8)
     values, spectrum = embedding_space_metrics(train, train_labels, test, test_labels)
     assert set(values) == {"rho_spectrum", "pi_intra", "pi_inter", "pi_ratio", "f1", "map@1000"}
-    assert values["rho_spectrum"] == pytest.approx(spectral_decay(singular_values(train)))
+    assert values["rho_spectrum"] == pytest.approx(spectral_decay(singular_values(train), skip=1))
     rows = spectrum_rows(spectrum)
     assert [r["index"] for r in rows] == list(range(1, 9))
     assert sum(r["normalized"] for r in rows) == pytest.approx(1.0)

@@ -187,8 +187,13 @@ class SamplerConfig(Section):
     """`train.sampler`: how batches are drawn (Roth et al. 2020, Sec. 4.3; xbn.data.samplers)."""
 
     name: Literal["spc_n", "spc_r", "greedy_coreset", "ddm", "frd"] = "spc_n"
+    # spc_r's b-1 random images: uniform over images (the paper), or each from a uniform class (Roth's code).
+    draw: Literal["image", "class"] = "image"
     candidates: int = Field(1024, ge=2)  # b*: the pool each embedded sampler picks a batch from
-    trials: int = Field(0, ge=0)  # ddm/frd: pool groups scored per greedy step (0: all of them)
+    # ddm/frd: the best of `candidate_batches` (m) random batches from the pool (the paper), or greedy.
+    selection: Literal["best_of_m", "greedy"] = "best_of_m"
+    candidate_batches: int = Field(10, ge=1)
+    trials: int = Field(0, ge=0)  # ddm/frd greedy: pool groups scored per greedy step (0: all of them)
     projection_dim: int = Field(0, ge=0)  # embedded: random projection of the bank first (0: none)
     bins: int = Field(50, ge=2)  # ddm: bins of the distance histograms
 
@@ -248,7 +253,8 @@ class EvalConfig(Section):
     # Roth et al. 2020's embedding-space metrics: rho spectral decay and pi_intra/inter/ratio of the training
     # split's embeddings (one more pass over it), clustering F1 and mAP@1000 of the evaluated split.
     embedding_space: bool = True
-    spectrum_skip: int = Field(0, ge=0)  # largest singular values left out of rho (Roth's rho_spectrum@skip+1)
+    # Largest singular values left out of rho: 1 as Roth et al.'s footnote 3 (the first carries the mean).
+    spectrum_skip: int = Field(1, ge=0)
     output: str = "metrics/eval.json"
 
     @model_validator(mode="after")

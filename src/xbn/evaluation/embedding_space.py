@@ -6,7 +6,8 @@ Of the training embeddings (Sec. 5: how the training data sit in the space predi
 - `spectral_decay` rho(Phi) = KL(U || S): the KL divergence from the uniform distribution U to the sum-normalized
   singular value spectrum S of the (uncentred) embedding matrix. 0 when every direction carries the same
   energy; larger when a few directions dominate (a compressed space). `skip` leaves the largest values out
-  (Roth's `rho_spectrum@<skip+1>`).
+  (Roth's `rho_spectrum@<skip+1>`); the metric reports skip = 1 by default, as the paper (footnote 3): the
+  first singular value of uncentred embeddings mostly carries their mean direction, not their spread.
 - `pi_metrics` embedding space density: pi_intra is the mean over classes of the mean cosine distance between two
   distinct samples of the class; pi_inter the mean cosine distance between two distinct class centres (the
   normalized class means); pi_ratio = pi_intra / pi_inter. Classes with a single sample have no pair and are
@@ -134,7 +135,7 @@ def map_at_k(query_emb: Any, query_labels: Any, reference_emb: Any = None, refer
 
 
 def embedding_space_metrics(train_emb: Any, train_labels: Any, query_emb: Any, query_labels: Any,
-                            reference_emb: Any = None, reference_labels: Any = None, *, spectrum_skip: int = 0,
+                            reference_emb: Any = None, reference_labels: Any = None, *, spectrum_skip: int = 1,
                             seed: int = 0, chunk_size: int = 4096,
                             device: Any = "cpu") -> tuple[dict[str, float], np.ndarray]:
     """All of the above: (`rho_spectrum`, `pi_intra`, `pi_inter`, `pi_ratio` of the training embeddings; `f1`

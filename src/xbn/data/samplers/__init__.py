@@ -2,7 +2,7 @@
 Generalization Performance in Deep Metric Learning", ICML, Sec. 4.3):
 
 - `spc_n`: P classes x M (= train.samples_per_class) images (`ClassBalancedBatchSampler`);
-- `spc_r`: random batches with no class structure (`RandomBatchSampler`);
+- `spc_r`: b - 1 random images plus a positive of one of them, no class structure (`RandomBatchSampler`);
 - `greedy_coreset`, `ddm`, `frd`: embedded samplers choosing each batch from a pool of b* candidates by their
   embeddings in a bank that the training stream refreshes (`EmbeddedBatchSampler`; they have `observe`).
 
@@ -33,15 +33,18 @@ __all__ = ["EMBEDDED", "SAMPLER_NAMES", "DistanceMatchBatchSampler", "EmbeddedBa
 
 def build_batch_sampler(config: Any, labels: Sequence[int] | np.ndarray, batch_size: int, samples_per_class: int,
                         seed: int, batches_per_epoch: int | None = None):
-    """The batch sampler `config` (a `SamplerConfig`: name, candidates, trials, projection_dim, bins) names."""
+    """The batch sampler `config` (a `SamplerConfig`: name, draw, candidates, selection, candidate_batches,
+    trials, projection_dim, bins) names."""
     name = config.name
     if name == "spc_n":
         return ClassBalancedBatchSampler(labels, batch_size, samples_per_class, seed, batches_per_epoch)
     if name == "spc_r":
-        return RandomBatchSampler(labels, batch_size, seed, batches_per_epoch)
+        return RandomBatchSampler(labels, batch_size, seed, batches_per_epoch, draw=config.draw)
     if name not in EMBEDDED:
         raise ValueError(f"unknown batch sampler '{name}' (known: {', '.join(SAMPLER_NAMES)})")
     extra = {"bins": config.bins} if name == "ddm" else {}
+    if name in ("ddm", "frd"):
+        extra.update(selection=config.selection, candidate_batches=config.candidate_batches)
     return EMBEDDED[name](labels, batch_size, samples_per_class, seed, candidates=config.candidates,
                           projection_dim=config.projection_dim, trials=config.trials,
                           batches_per_epoch=batches_per_epoch, **extra)

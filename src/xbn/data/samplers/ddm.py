@@ -3,19 +3,19 @@
 1-D Wasserstein distance, to the histogram of the b* pool's, so each batch shows the loss the distance
 structure of the data rather than a lucky or unlucky slice of it.
 
-The pool is SPC-structured (b*/M classes x M images). Roth et al. score 10 random class-structured batches
-drawn from the pool and keep the best; here the batch is built greedily instead, one class group at a time,
-each time adding the pool group that brings the histogram closest (the first group is random), which reaches
-a much smaller distance for the same kind of batch. Their cost also adds the differences of the embedding mean
-and std, and passes the two histograms to scipy's `wasserstein_distance` as samples; here it is the
-Wasserstein distance between the two distance distributions themselves (histograms on the pool's bins).
+The pool is SPC-structured (b*/M classes x M images). As Roth et al., the batch is the best of m random
+class-structured batches drawn from the pool (`selection: best_of_m`, m = `candidate_batches`, 10 as theirs);
+`selection: greedy` builds it one class group at a time instead (`MatchingBatchSampler`). Their cost also adds
+the differences of the embedding mean and std, and passes the two histograms to scipy's `wasserstein_distance`
+as samples; here it is the Wasserstein distance between the two distance distributions themselves (histograms
+on the pool's bins), the criterion the paper names.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from xbn.data.samplers.embedded import EmbeddedBatchSampler, pairwise_distances
+from xbn.data.samplers.embedded import MatchingBatchSampler, group_rows, pairwise_distances
 
 
 def histogram_wasserstein(hists: np.ndarray, target: np.ndarray, bin_width: float) -> np.ndarray:
@@ -27,6 +27,28 @@ def histogram_wasserstein(hists: np.ndarray, target: np.ndarray, bin_width: floa
     return bin_width * np.abs(np.cumsum(p - q, axis=-1)[..., :-1]).sum(axis=-1)
 
 
+def distance_bins(dist: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """The bin of every pair of the pool (equal-width bins spanning the pool's distances), the pool's histogram
+    (the target) and the bin width."""
+    upper = np.triu_indices(len(dist), 1)
+    lo, hi = dist[upper].min(), dist[upper].max()
+    width = max(hi - lo, 1e-12) / bins
+    bin_of = np.clip(((dist - lo) / width).astype(np.int64), 0, bins - 1)
+    return bin_of, np.bincount(bin_of[upper], minlength=bins).astype(np.float64), width
+
+
+def best_distance_match(dist: np.ndarray, group_size: int, candidates: np.ndarray, bins: int = 50) -> int:
+    """Which candidate batch ((m, k) group numbers; group g = rows g*group_size.. of the pool's distance
+    matrix `dist`) has the pairwise-distance histogram closest to the pool's (Roth et al.'s best of m)."""
+    bin_of, target, width = distance_bins(dist, bins)
+    rows = group_rows(np.asarray(candidates), group_size)  # (m, n)
+    inner = np.triu_indices(rows.shape[1], 1)
+    pairs = bin_of[rows[:, :, None], rows[:, None, :]][:, inner[0], inner[1]]  # (m, n(n-1)/2)
+    offsets = np.arange(len(rows))[:, None] * bins
+    counts = np.bincount((pairs + offsets).ravel(), minlength=len(rows) * bins).reshape(len(rows), bins)
+    return int(np.argmin(histogram_wasserstein(counts.astype(np.float64), target, width)))
+
+
 def greedy_distance_match(dist: np.ndarray, group_size: int, k: int, first: int, bins: int = 50,
                           trials: int = 0, rng: np.random.Generator | None = None) -> list[int]:
     """Groups (consecutive runs of `group_size` rows of the pool's distance matrix `dist`) forming a batch of
@@ -34,11 +56,7 @@ def greedy_distance_match(dist: np.ndarray, group_size: int, k: int, first: int,
     `trials` > 0 scores only that many random groups per step (stochastic greedy, drawn from `rng`)."""
     n = len(dist)
     g = n // group_size
-    upper = np.triu_indices(n, 1)
-    lo, hi = dist[upper].min(), dist[upper].max()
-    width = max(hi - lo, 1e-12) / bins
-    bin_of = np.clip(((dist - lo) / width).astype(np.int64), 0, bins - 1)
-    target = np.bincount(bin_of[upper], minlength=bins).astype(np.float64)
+    bin_of, target, width = distance_bins(dist, bins)
     rows = np.arange(n).reshape(g, group_size)
     inner = np.triu_indices(group_size, 1)
     own = np.stack([np.bincount(bin_of[np.ix_(r, r)][inner], minlength=bins) for r in rows])  # (g, bins)
@@ -66,7 +84,7 @@ def _candidates(rest: np.ndarray, trials: int, rng: np.random.Generator | None) 
     return rng.choice(rest, size=trials, replace=False)
 
 
-class DistanceMatchBatchSampler(EmbeddedBatchSampler):
+class DistanceMatchBatchSampler(MatchingBatchSampler):
     name = "ddm"
 
     def __init__(self, *args, bins: int = 50, **kwargs) -> None:
@@ -75,9 +93,9 @@ class DistanceMatchBatchSampler(EmbeddedBatchSampler):
             raise ValueError(f"bins must be >= 2, got {bins}")
         self.bins = bins
 
-    def _select(self, rng: np.random.Generator) -> np.ndarray:
-        pool = self._group_pool(rng)
-        dist = pairwise_distances(self.features(pool.ravel()))
-        groups = greedy_distance_match(dist, self.samples_per_class, self.classes_per_batch,
-                                       int(rng.integers(len(pool))), self.bins, self.trials, rng)
-        return pool[groups].ravel()
+    def _greedy(self, features: np.ndarray, first: int, rng: np.random.Generator) -> list[int]:
+        return greedy_distance_match(pairwise_distances(features), self.samples_per_class, self.classes_per_batch,
+                                     first, self.bins, self.trials, rng)
+
+    def _best(self, features: np.ndarray, candidates: np.ndarray) -> int:
+        return best_distance_match(pairwise_distances(features), self.samples_per_class, candidates, self.bins)

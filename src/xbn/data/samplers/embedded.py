@@ -120,6 +120,56 @@ class EmbeddedBatchSampler(ClassBalancedBatchSampler):
             yield self._select(rng).tolist()  # drawn now, from the bank as it is now
 
 
+SELECTIONS = ("best_of_m", "greedy")
+
+
+class MatchingBatchSampler(EmbeddedBatchSampler):
+    """DDM and FRD: a batch of P class groups from the SPC-structured pool whose embeddings match the pool's by
+    a criterion (lower is better). `selection`:
+
+    - `best_of_m` (Roth et al.'s procedure, the default): `candidate_batches` (m) random batches of P distinct
+      pool groups, the one with the best criterion kept;
+    - `greedy`: one group at a time, each time the pool group that improves the criterion most (the first at
+      random; `trials` > 0 scores that many random groups per step). It reaches a much smaller distance than
+      best-of-10 (tests/data/test_roth_samplers.py), a batch more unlike a random one than the paper's.
+
+    Subclasses implement `_greedy(features, first, rng)` and `_best(features, candidates)`, the pool's
+    features coming in group order (group g = rows g*M .. g*M+M-1)."""
+
+    def __init__(self, *args, selection: str = "best_of_m", candidate_batches: int = 10, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, got {selection!r}")
+        if candidate_batches < 1:
+            raise ValueError(f"candidate_batches must be >= 1, got {candidate_batches}")
+        self.selection, self.candidate_batches = selection, candidate_batches
+
+    def _greedy(self, features: np.ndarray, first: int, rng: np.random.Generator) -> list[int]:
+        raise NotImplementedError
+
+    def _best(self, features: np.ndarray, candidates: np.ndarray) -> int:
+        raise NotImplementedError
+
+    def _select(self, rng: np.random.Generator) -> np.ndarray:
+        pool = self._group_pool(rng)
+        features = self.features(pool.ravel())
+        if self.selection == "greedy":
+            return pool[self._greedy(features, int(rng.integers(len(pool))), rng)].ravel()
+        candidates = random_group_batches(len(pool), self.classes_per_batch, self.candidate_batches, rng)
+        return pool[candidates[self._best(features, candidates)]].ravel()
+
+
+def random_group_batches(num_groups: int, k: int, m: int, rng: np.random.Generator) -> np.ndarray:
+    """m candidate batches, each k distinct groups of the pool drawn uniformly: (m, min(k, num_groups))."""
+    k = min(k, num_groups)
+    return np.argsort(rng.random((m, num_groups)), axis=1)[:, :k]
+
+
+def group_rows(groups: np.ndarray, group_size: int) -> np.ndarray:
+    """The pool rows of each candidate's groups: (m, k) group numbers -> (m, k * group_size) rows."""
+    return (groups[..., None] * group_size + np.arange(group_size)).reshape(len(groups), -1)
+
+
 def pairwise_distances(x: np.ndarray) -> np.ndarray:
     """Euclidean distance matrix (float64, zero diagonal), through one BLAS product (scipy's `cdist` loops in
     C without BLAS: ten times slower for a 1024 x 512 pool)."""

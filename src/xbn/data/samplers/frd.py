@@ -4,8 +4,9 @@ b* pool, so each batch is a small but faithful summary of the embedding distribu
 
     FD = |mu_p - mu_b|^2 + tr(S_p) + tr(S_b) - 2 tr((S_p S_b)^(1/2))
 
-As for DDM, the pool is SPC-structured and the batch is built greedily, one class group at a time (Roth et al.
-keep the best of 10 random class-structured batches). A batch of n < d images has a covariance of rank < n, so
+As for DDM, the pool is SPC-structured and the batch is the best of m random class-structured batches from it
+(`selection: best_of_m`, Roth et al.'s procedure) or is built greedily, one class group at a time
+(`selection: greedy`; `MatchingBatchSampler`). A batch of n < d images has a covariance of rank < n, so
 tr((S_p S_b)^(1/2)) is the sum of square roots of the eigenvalues of the n x n matrix Y S_p Y^T / (n-1), Y the
 centred batch (S_p Y^T Y and Y S_p Y^T share their non-zero eigenvalues): no d x d matrix square root (their
 `scipy.linalg.sqrtm`), and every candidate group of a greedy step is scored in one batched `eigvalsh`.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from xbn.data.samplers.ddm import _candidates
-from xbn.data.samplers.embedded import EmbeddedBatchSampler
+from xbn.data.samplers.embedded import MatchingBatchSampler, group_rows
 
 
 def pool_statistics(pool: np.ndarray) -> dict[str, np.ndarray]:
@@ -76,11 +77,18 @@ def greedy_frechet_match(pool: np.ndarray, group_size: int, k: int, first: int, 
     return chosen
 
 
-class FrechetMatchBatchSampler(EmbeddedBatchSampler):
+def best_frechet_match(pool: np.ndarray, group_size: int, candidates: np.ndarray) -> int:
+    """Which candidate batch ((m, k) group numbers; group g = rows g*group_size.. of `pool`) has the Gaussian
+    fit closest to the pool's in the Frechet distance (Roth et al.'s best of m)."""
+    return int(np.argmin(frechet_distance_to_pool(pool, group_rows(np.asarray(candidates), group_size))))
+
+
+class FrechetMatchBatchSampler(MatchingBatchSampler):
     name = "frd"
 
-    def _select(self, rng: np.random.Generator) -> np.ndarray:
-        pool = self._group_pool(rng)
-        groups = greedy_frechet_match(self.features(pool.ravel()), self.samples_per_class, self.classes_per_batch,
-                                      int(rng.integers(len(pool))), self.trials, rng)
-        return pool[groups].ravel()
+    def _greedy(self, features: np.ndarray, first: int, rng: np.random.Generator) -> list[int]:
+        return greedy_frechet_match(features, self.samples_per_class, self.classes_per_batch, first, self.trials,
+                                    rng)
+
+    def _best(self, features: np.ndarray, candidates: np.ndarray) -> int:
+        return best_frechet_match(features, self.samples_per_class, candidates)
