@@ -25,13 +25,35 @@ def all_pairs_miner():
     return miners.PairMarginMiner(pos_margin=0.0, neg_margin=10.0)  # every pair lies within these margins
 
 
-def test_p_switch_one_replaces_every_negative_by_another_positive():
+def test_p_switch_one_writes_every_triplet_as_anchor_anchor_other_positive():
     x, y = batch()
     a, p, n = lmu.get_all_triplets_indices(y)
     a2, p2, n2 = RhoRegularizedMiner(None, 1.0, seed=0)(x, y)  # no miner: around all triplets
-    assert torch.equal(a2, a) and torch.equal(p2, p)
-    assert (y[n2] == y[a]).all()  # every negative is now a positive of its anchor
-    assert (n2 != a).all() and (n2 != p).all()  # never the anchor itself, never the triplet's positive
+    assert torch.equal(a2, a) and torch.equal(p2, a)  # (a, a, p'), as Roth's reference code
+    assert (y[n2] == y[a]).all() and (n2 != a).all()  # p': another sample of the anchor's class
+
+
+def test_a_switched_triplet_only_pushes_the_other_positive_away():
+    # 1-D, class 0 at 0 and 0.2, class 1 at 3; triplets (0, 1, 2) and (1, 0, 2), margin 0.5. Switched as
+    # (a, a, p'): (0, 0, 1) and (1, 1, 0), each [0 - 0.2 + 0.5]+ = 0.3, so the loss is 0.3 and its gradient
+    # moves 0 and 0.2 apart (d/dx0 = +1, d/dx1 = -1 after averaging the two). Written (a, p, p') the triplet
+    # (0, 1, 1) is [d - d + 0.5]+ = 0.5 whatever the points: the push cancels (gradient 0).
+    from pytorch_metric_learning.distances import LpDistance
+    from pytorch_metric_learning.losses import TripletMarginLoss
+
+    x = torch.tensor([[0.0], [0.2], [3.0]], requires_grad=True)
+    y = torch.tensor([0, 0, 1])
+    loss_fn = TripletMarginLoss(margin=0.5, distance=LpDistance(normalize_embeddings=False))
+    tuples = RhoRegularizedMiner(None, 1.0, seed=0)(x, y)
+    assert sorted(zip(*(t.tolist() for t in tuples))) == [(0, 0, 1), (1, 1, 0)]
+    loss = loss_fn(x, y, tuples)
+    loss.backward()
+    assert loss.item() == pytest.approx(0.3)
+    torch.testing.assert_close(x.grad, torch.tensor([[1.0], [-1.0], [0.0]]))
+    x.grad = None
+    cancelled = loss_fn(x, y, (torch.tensor([0, 1]), torch.tensor([1, 0]), torch.tensor([1, 0])))
+    cancelled.backward()
+    assert cancelled.item() == pytest.approx(0.5) and x.grad.abs().sum() == 0
 
 
 def test_p_switch_zero_leaves_the_miner_output_unchanged():
@@ -51,8 +73,9 @@ def test_p_switch_switches_that_fraction_of_the_triplets():
     assert len(a) == 11520
     assert int(switched.sum()) == rho.last_switched
     assert abs(switched.double().mean().item() - 0.3) < 0.015  # 3.5 sigma of a binomial(11520, 0.3)
-    _, _, n_all = lmu.get_all_triplets_indices(y)
-    assert torch.equal(n[~switched], n_all[~switched])  # the others are untouched
+    _, p_all, n_all = lmu.get_all_triplets_indices(y)
+    assert torch.equal(n[~switched], n_all[~switched]) and torch.equal(p[~switched], p_all[~switched])
+    assert torch.equal(p[switched], a[switched])  # the switched ones are (a, a, p')
 
 
 def test_pairs_switch_one_negative_pair_per_anchor():
@@ -75,21 +98,23 @@ def test_pairs_switch_anchors_at_rate_p():
 
 
 def test_an_anchor_with_a_single_positive_switches_to_it():
-    # Class 0 has two samples: the only positive other than the anchor is the triplet's own positive.
+    # Class 0 has two samples: the only other positive of anchor 0 is 1, so (0, 1, n) becomes (0, 0, 1).
     y = torch.tensor([0, 0, 1, 1, 1, 2])
     x = nn.functional.normalize(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)), dim=1)
     a, p, n = RhoRegularizedMiner(None, 1.0)(x, y)
     single = y[a] == 0
-    assert torch.equal(n[single], p[single])
-    assert (n[~single] != p[~single]).all() and (y[n] == y[a]).all()
+    assert torch.equal(n[single], 1 - a[single]) and torch.equal(p, a)
+    assert (y[n] == y[a]).all() and (n != a).all()
 
 
 def test_against_a_memory_the_switched_positive_is_never_the_anchor_own_row():
+    # PML's CrossBatchMemory drops (a, own row): against a memory the triplet is (a, p, p'), p' != p.
     old, old_y = batch(seed=1)
     x, y = batch(n_classes=8, per_class=2, seed=2)
     ref, ref_y = torch.cat([old, x]), torch.cat([old_y, y])
     a, p, n = RhoRegularizedMiner(RandomTripletMiner(num_triplets=500), 1.0)(x, y, ref, ref_y)
     assert (ref_y[n] == y[a]).all() and (n != a + len(old)).all() and (n != p).all()
+    assert (p != a + len(old)).all()  # the miner's positive is kept
 
 
 def test_seeded_and_resumed_from_state_dict():

@@ -85,8 +85,8 @@ def test_softhard_picks_hard_positives_and_negatives_else_any():
     assert positives[3] == {2} and negatives[3] == {0, 1, 4, 5}
 
 
-def test_random_miner_is_uniform_over_triplets():
-    # Labels 0,0,0,1,1,2: each class-0 anchor has 2 x 3 triplets, each class-1 anchor 1 x 4, class 2 none,
+def test_random_miner_with_num_triplets_is_uniform_over_triplets():
+    # Roth's reference code: `num_triplets` drawn from all valid triplets. Labels 0,0,0,1,1,2: each class-0 anchor has 2 x 3 triplets, each class-1 anchor 1 x 4, class 2 none,
     # so anchors are drawn with probability 6/26 and 4/26; positives and negatives uniformly within.
     labels = torch.tensor([0, 0, 0, 1, 1, 2])
     x = torch.nn.functional.normalize(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)), dim=1)
@@ -99,7 +99,31 @@ def test_random_miner_is_uniform_over_triplets():
                                torch.tensor([0.5, 0.5], dtype=torch.float64), atol=0.04, rtol=0)
     torch.testing.assert_close(torch.bincount(n[from_0], minlength=6)[3:].double() / from_0.sum(),
                                torch.full((3,), 1 / 3, dtype=torch.float64), atol=0.04, rtol=0)
-    assert len(RandomTripletMiner()(x, labels)[0]) == 6  # by default one triplet per batch row, as Roth
+
+
+def test_random_miner_draws_one_triplet_per_anchor():
+    # Labels 0,0,0,1,1,2: rows 0-4 have a positive and a negative, row 5 (class 2 alone) has no positive.
+    # Each of rows 0-4 is the anchor of exactly one triplet per call; anchor 0's positive is 1 or 2 and its
+    # negative 3, 4 or 5, each equally likely.
+    labels = torch.tensor([0, 0, 0, 1, 1, 2])
+    x = torch.nn.functional.normalize(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)), dim=1)
+    miner = RandomTripletMiner(seed=2)
+    pos, neg = [], []
+    for _ in range(3000):
+        a, p, n = miner(x, labels)
+        assert a.tolist() == [0, 1, 2, 3, 4]
+        assert (labels[p] == labels[a]).all() and (p != a).all() and (labels[n] != labels[a]).all()
+        pos.append(int(p[0]))
+        neg.append(int(n[0]))
+    torch.testing.assert_close(torch.bincount(torch.tensor(pos), minlength=3)[1:].double() / 3000,
+                               torch.tensor([0.5, 0.5], dtype=torch.float64), atol=0.03, rtol=0)
+    torch.testing.assert_close(torch.bincount(torch.tensor(neg), minlength=6)[3:].double() / 3000,
+                               torch.full((3,), 1 / 3, dtype=torch.float64), atol=0.03, rtol=0)
+    # Against a memory: still one triplet per batch row, the positives and negatives from the memory.
+    old, old_y = batch(seed=1)
+    xb, yb = batch(n_classes=8, per_class=2, seed=2)
+    a, p, n = RandomTripletMiner(seed=0)(xb, yb, torch.cat([old, xb]), torch.cat([old_y, yb]))
+    assert a.tolist() == list(range(16))
 
 
 @pytest.mark.parametrize("cls", [RandomTripletMiner, SoftHardMiner])

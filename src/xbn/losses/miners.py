@@ -64,28 +64,36 @@ class SeededMiner(BaseMiner):
 
 
 class RandomTripletMiner(SeededMiner):
-    """Roth's "random" miner: triplets drawn uniformly from all valid (a, p, n) with p != a.
+    """Roth's "random" miner: one triplet per anchor, its positive (p != a) and negative drawn uniformly.
 
-    Draws `num_triplets` (default: one per anchor row, as Roth) with replacement: an anchor with probability
-    proportional to its number of (positive, negative) combinations, then a positive and a negative uniformly,
-    which is uniform over the set of triplets.
+    Every batch row that has a positive and a negative in the reference set is an anchor exactly once (the
+    paper's per-anchor sampling; a row of a class with no other sample has none and is left out).
+    `num_triplets` instead draws that many triplets uniformly from the set of all valid triplets, with
+    replacement, as Roth's reference code does (`random.sample` of batch-size triplets): an anchor with
+    probability proportional to its number of (positive, negative) combinations, so some anchors get several
+    triplets and others none.
     """
 
     def __init__(self, num_triplets: int | None = None, seed: int = 0, **kwargs):
         super().__init__(seed=seed, **kwargs)
         if num_triplets is not None and num_triplets < 1:
             raise ValueError(f"num_triplets must be positive, got {num_triplets}")
-        self.num_triplets = num_triplets
+        # Not `self.num_triplets`: PML's BaseMiner overwrites that attribute with the count of its last output.
+        self.sample_size = num_triplets
 
     def mine(self, embeddings, labels, ref_emb, ref_labels):
         positives, negatives = positive_negative_masks(embeddings, labels, ref_emb, ref_labels)
-        weights = positives.sum(1).double() * negatives.sum(1).double()
-        if weights.sum() == 0:
-            empty = torch.empty(0, dtype=torch.long, device=labels.device)
-            return empty, empty.clone(), empty.clone()
-        n = self.num_triplets or len(embeddings)
-        anchors = torch.multinomial(weights.cpu(), n, replacement=True, generator=self.generator)
-        anchors = anchors.to(labels.device)
+        if self.sample_size is None:
+            anchors = torch.where(positives.any(1) & negatives.any(1))[0]
+        else:
+            weights = positives.sum(1).double() * negatives.sum(1).double()
+            if weights.sum() == 0:
+                anchors = torch.empty(0, dtype=torch.long, device=labels.device)
+            else:
+                anchors = torch.multinomial(weights.cpu(), self.sample_size, replacement=True,
+                                            generator=self.generator).to(labels.device)
+        if not len(anchors):
+            return anchors, anchors.clone(), anchors.clone()
         return anchors, self.pick(positives[anchors]), self.pick(negatives[anchors])
 
 

@@ -6,9 +6,13 @@ space in use (a flatter singular value spectrum, a lower rho spectral decay) and
 `RhoRegularizedMiner` wraps any PML miner (or, without one, all triplets: B x M x M candidates against a
 memory of M rows, so configure a miner there) and rewrites its output:
 
-- triplets (a, p, n) become (a, p, p'), p' a positive of a other than a itself and, where a has another one,
-  other than p (with p' = p the triplet would carry no gradient). Roth's reference code writes (a, a, p')
-  instead; the (a, p, p') form keeps a real anchor-positive pull in the same term.
+- triplets (a, p, n) become (a, a, p'), p' a positive of a other than a itself, as Roth's reference code
+  writes them (`rho_distance` miner): d(a, a) = 0, so a triplet loss [d(a, a) - d(a, p') + m]+ only pushes p'
+  away from a, up to the margin. The form (a, p, p') would cancel that push: it is as often written with p
+  and p' the other way round, and with p' = p it carries no gradient at all.
+  Against a cross-batch memory (the reference rows are not the batch) the anchor's own row is dropped by
+  PML's `CrossBatchMemory` (its self-comparison removal), so there the triplet becomes (a, p, p') with p' other
+  than p where a has another positive: the closest form that survives; the paper studies no memory.
 - pairs (a1, p, a2, n): with probability `p_switch` per anchor, one of its negative pairs (a2, n), drawn at
   random, becomes (a2, p'), p' a positive of a2 other than a2 itself, still passed as a negative pair, so pair
   losses push it away. Per anchor, not per pair: Roth et al. switch the negative of one triplet per anchor,
@@ -65,7 +69,8 @@ class RhoRegularizedMiner(BaseMiner):
         if self.pairs and len(tuples) == 3:
             tuples = lmu.convert_to_pairs(tuples, labels, ref_labels)
         anchors, negatives = (tuples[0], tuples[2]) if len(tuples) == 3 else (tuples[2], tuples[3])
-        avoid = tuples[1] if len(tuples) == 3 else None
+        against_batch = ref_emb is embeddings  # PML's BaseMiner passes the batch itself when there is no memory
+        avoid = tuples[1] if len(tuples) == 3 and not against_batch else None
         idx = self._triplets_to_switch(anchors) if len(tuples) == 3 else self._pairs_to_switch(anchors)
         self.last_switched = 0
         if not len(idx):
@@ -76,7 +81,11 @@ class RhoRegularizedMiner(BaseMiner):
         negatives[idx[ok]] = replacement[ok]
         self.last_switched = int(ok.sum())
         if len(tuples) == 3:
-            return tuples[0], tuples[1], negatives
+            positives_out = tuples[1]
+            if against_batch:  # (a, a, p'): the anchor is its own positive, p' the switched negative
+                positives_out = positives_out.clone()
+                positives_out[idx[ok]] = anchors[idx[ok]]
+            return tuples[0], positives_out, negatives
         a1, p = tuples[0], tuples[1]
         if self.pairs:  # a switched pair is now a negative one only
             width = positives.shape[1]
