@@ -47,7 +47,7 @@ METHODS: list[tuple[str, str, list[str]]] = [
     ("axbn_auto", "AXBN, noise estimated online", ["memory.method=axbn_auto"]),
     ("normsoftmax", "NormSoftmax, no memory", ["loss.name=NormalizedSoftmaxLoss", *PROXY]),
     ("memvir", "NormSoftmax + MemVir (seed 002)", ["loss.name=NormalizedSoftmaxLoss", *PROXY,
-                                                  "loss.memvir.enabled=true"]),
+                                                  "loss.memvir.enabled=true", "train.lr_gamma=1"]),
     ("mpn", "Intra-Batch MPN (seed 004), no memory", ["model.mpn.enabled=true", "memory.method=none",
                                                      "model.mpn.test_time=true"]),
     ("refine", "AXBN + context refiner (seed 001)", ["refine.enabled=true"]),

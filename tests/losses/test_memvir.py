@@ -125,10 +125,33 @@ def test_memvir_needs_one_weight_per_class():
     (["memory.method=none", "loss.miner=PairMarginMiner"], "loss.memvir.enabled needs loss.miner=null"),
     (["memory.method=none", "loss.memvir.warmup_epochs=14"], r"loss.memvir.warmup_epochs \(14\) must be below"),
     (["memory.method=none", "loss.memvir.step_gap=-1"], "loss.memvir.step_gap"),
+    # The paper trains at a constant lr: the shipped step schedule (x0.33 every 4 epochs) is refused.
+    (["memory.method=none", "train.lr_gamma=0.33"], r"constant learning rate.*train.lr_gamma=0.33 decays it "
+                                                    r"every train.lr_step_epochs=4 epochs: set train.lr_gamma=1"),
+    (["memory.method=none", "loss.rho.p_switch=0.35"], r"loss.memvir.enabled and loss.rho.p_switch=0.35 "
+                                                       r"exclude each other"),
 ])
 def test_impossible_memvir_settings_are_refused_by_name(overrides, match):
     with pytest.raises(ConfigError, match=match):
-        load_params(None, ["loss.memvir.enabled=true", "loss.miner=null", *overrides])
+        load_params(None, ["loss.memvir.enabled=true", "loss.miner=null", "train.lr_gamma=1", *overrides])
+
+
+def test_memvir_is_refused_up_front_with_exit_code_2(tmp_path):
+    # The check runs when params load (`xbn train` exits 2 naming the keys), not at the first training step.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests_support import ROOT
+
+    sets = ["loss.name=NormalizedSoftmaxLoss", "loss.params={}", "loss.miner=null", "memory.method=none",
+            "loss.memvir.enabled=true"]
+    run = subprocess.run([str(Path(sys.executable).with_name("xbn")), "train", "--params", str(ROOT / "params.yaml"),
+                          *(a for s in sets for a in ("--set", s))], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 2, run.stderr
+    assert "train.lr_gamma=0.33 decays it every train.lr_step_epochs=4 epochs" in run.stderr
+    assert not list(tmp_path.iterdir())  # refused before anything was read or written
 
 
 def test_a_proxy_loss_is_refused_with_a_cross_batch_memory():
@@ -144,7 +167,7 @@ def test_tiny_training_run_with_memvir(tiny_params):
 
     params = tiny_params("loss.name=NormalizedSoftmaxLoss", "loss.params={}", "memory.method=none",
                          "loss.memvir.enabled=true", "loss.memvir.num_steps=2", "loss.memvir.step_gap=1",
-                         "loss.memvir.warmup_epochs=1", "train.epochs=1")
+                         "loss.memvir.warmup_epochs=1", "train.epochs=1", "train.lr_gamma=1")
     prepare(params)
     trainer = Trainer(params, progress=False)
     mv = trainer.criterion.loss

@@ -153,10 +153,16 @@ class RhoConfig(Section):
 
 class MemVirConfig(Section):
     """MemVir (Ko et al., ICCV 2021): past steps' embeddings and class weights as virtual classes of a
-    classification/proxy loss. The paper's NormSoftmax setting (CARS196, 2000 epochs) is N=45, M=10 and a
-    40-epoch warm-up; the defaults scale it to the 14-epoch default run: the warm-up takes the first ~30%
-    (as 40 epochs do of the 130-epoch baseline), and N=10 at M=10 is reached ~5 epochs later (23 steps an
-    epoch on the glyphs), with queues of N(M+1) steps x (C class weights + B embeddings), ~70 MB in last.pt."""
+    classification/proxy loss, trained at a constant learning rate (train.lr_gamma must be 1).
+
+    What scales with what (xbn.losses.memvir): N and M count training steps, not epochs. The queue holds the
+    last N(M+1) steps and one more virtual step joins every M+1 steps, so the curriculum takes N(M+1) steps
+    whatever the run's length (495 at the paper's N=45, M=10: about 21 epochs at the glyphs' 23 steps an
+    epoch). Only the warm-up is in epochs (turned into steps with the epoch's length); the paper starts
+    MemVir on a model the plain loss has already brought to convergence, so the warm-up should cover that
+    convergence, not a fixed share of the run. The defaults fit the 14-epoch default run: a 4-epoch warm-up,
+    then N=10 at M=10, reached 110 steps (about 5 epochs) later; benchmarks/regimes.py runs the paper's
+    regime. The queues (N(M+1) steps x (C class weights + B embeddings)) cost about 70 MB in last.pt there."""
 
     enabled: bool = False
     num_steps: int = Field(10, ge=1)  # N: past steps used as virtual classes at most
@@ -507,6 +513,14 @@ class Params(Section):
         if mv.warmup_epochs >= total:
             raise ValueError(f"loss.memvir.warmup_epochs ({mv.warmup_epochs:g}) must be below "
                              f"train.warmup_epochs + train.epochs ({total}), or MemVir never starts")
+        if self.train.lr_gamma != 1:  # the schedule is StepLR(train.lr_step_epochs, train.lr_gamma)
+            raise ValueError(f"loss.memvir.enabled trains at a constant learning rate (Ko et al. 2021), but "
+                             f"train.lr_gamma={self.train.lr_gamma:g} decays it every train.lr_step_epochs="
+                             f"{self.train.lr_step_epochs} epochs: set train.lr_gamma=1")
+        if self.loss.rho.p_switch > 0:
+            raise ValueError(f"loss.memvir.enabled and loss.rho.p_switch={self.loss.rho.p_switch:g} exclude each "
+                             "other: rho rewrites a miner's tuples, and MemVir's loss takes none (the virtual "
+                             "classes are not in the batch a tuple indexes); set loss.rho.p_switch=0")
         return self
 
 

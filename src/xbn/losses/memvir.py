@@ -96,8 +96,7 @@ class MemVir(nn.Module):
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor,
                 indices_tuple=None) -> torch.Tensor:
-        if indices_tuple is not None:  # a miner's tuples index the current batch only
-            raise ValueError("loss.memvir takes no miner: set loss.miner=null")
+        # `indices_tuple` is always None here: the config refuses a miner and rho with MemVir (Params).
         active = self.iteration >= self.warmup_iterations
         self.iteration += 1
         past = self.virtual_steps() if active else []
