@@ -1,5 +1,7 @@
-"""A non-finite gain or memory statistic stops training at once, naming the iteration, with the memory left as
-it was: it never trains on to the end with a NaN memory."""
+"""A non-finite gain or memory statistic stops training, naming the iteration where it happened, with the stored
+rows left as they were: it never trains on to the end with a NaN memory. The update decides on the device
+(no host wait per step) and `check_finite`, which the trainer calls when it logs and before each checkpoint,
+raises."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def labels(n, step):
     return torch.arange(n) // 4 + 10 * step
 
 
-def test_a_non_finite_kalman_gain_stops_at_its_iteration_before_touching_the_memory():
+def test_a_non_finite_kalman_gain_is_named_by_its_iteration_and_leaves_the_stored_rows():
     params = load_params(None, ["memory.method=axbn", "model.embedding_dim=8", "memory.size=64",
                                 "memory.start=0", "loss.miner=null"])
     crit = build_criterion(params, num_train_images=64)
@@ -36,12 +38,14 @@ def test_a_non_finite_kalman_gain_stops_at_its_iteration_before_touching_the_mem
     stored = crit.memory.embedding_memory.clone()
     expected = r"at iteration 2: the memory's target moments are not finite \(mean: 8 of 8 dims non-finite, " \
                r"std: 8 of 8; Kalman gain"
+    crit(unit(16, 1), labels(16, 1))
+    crit(unit(16, 2), labels(16, 2))  # later updates do not overwrite the record of the first
     with pytest.raises(NonFiniteLossError, match=expected):
-        crit(unit(16, 1), labels(16, 1))
-    assert torch.equal(crit.memory.embedding_memory, stored)
+        crit.check_finite()
+    assert torch.equal(crit.memory.embedding_memory[:16], stored[:16])  # the map became the identity
 
 
-def test_a_non_finite_batch_stops_xbn_before_it_enters_the_memory():
+def test_a_non_finite_batch_is_named_and_leaves_xbn_rows_as_they_were():
     params = load_params(None, ["memory.method=xbn", "model.embedding_dim=8", "memory.size=64",
                                 "memory.start=0", "loss.miner=null"])
     crit = build_criterion(params, num_train_images=64)
@@ -50,9 +54,11 @@ def test_a_non_finite_batch_stops_xbn_before_it_enters_the_memory():
     stored = crit.memory.embedding_memory.clone()
     batch = unit(16, 3)
     batch[5, 2] = float("inf")
+    crit.check_finite()  # nothing recorded yet
+    crit(batch, labels(16, 3))
     with pytest.raises(NonFiniteLossError, match=r"at iteration 4: .* batch finite: False"):
-        crit(batch, labels(16, 3))
-    assert torch.equal(crit.memory.embedding_memory, stored)
+        crit.check_finite()
+    assert torch.equal(crit.memory.embedding_memory[:48], stored[:48])
 
 
 def test_training_stops_naming_the_iteration_and_keeps_the_last_checkpoint(tiny_params):

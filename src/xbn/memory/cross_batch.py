@@ -12,9 +12,11 @@ removal). What it adds, written by hand because no library has it:
   cannot accumulate.
 - The queue pointer and fill flag live in `state_dict` (PML keeps them as plain attributes, so a resumed run
   would silently differ).
-- A non-finite target (a NaN gain, an inf in the batch or the memory's moments) raises
-  `NonFiniteLossError` before any row is changed. The check reads one flag over the d-vectors of the map,
-  fetched in the same host transfer as the step's diagnostics, so it adds no synchronisation on a GPU.
+- No step waits for the device: counters are Python ints, the diagnostics stay 0-d device tensors until the
+  trainer logs them (every `train.log_every` steps), and the finiteness of the map is decided on the device.
+  A non-finite target (a NaN gain, an inf in the batch or the memory's moments) leaves every row as it was
+  (the map becomes the identity) and is recorded with its iteration; `check_finite`, which the trainer calls
+  when it logs and before it saves a checkpoint, then raises `NonFiniteLossError` naming that iteration.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from xbn.utils.errors import NonFiniteLossError
 # Dimensions whose memory std is at most this are shifted, not scaled: with sigma[R] = 0 every row equals
 # E[R], so Eq. 6 sends it to mu*, and a shift does that without dividing by zero.
 STD_EPS = 1e-6
+# What `_adapt` records about the first non-finite update: where, then counts of non-finite values.
+NON_FINITE_FIELDS = ("at", "is_iteration", "target_mean", "target_std", "gain", "batch", "memory_moments")
 
 
 class CrossBatchMemory(pml_losses.CrossBatchMemory):
@@ -49,8 +53,10 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         self.register_buffer("row_sum", torch.zeros(embedding_size, dtype=torch.float64))
         self.register_buffer("row_sq_sum", torch.zeros(embedding_size, dtype=torch.float64))
         self.adaptation_steps = 0  # memory updates seen with stored rows (drives the sums' refresh)
-        self.last_diagnostics: dict[str, float] = {}
+        self.last_diagnostics: dict[str, float | torch.Tensor] = {}
         self.iteration: int | None = None  # the training iteration, set by `Criterion`: named in errors
+        # The first non-finite update, recorded on the device (see `check_finite`); not state: a run stops at it.
+        self.non_finite = torch.full((len(NON_FINITE_FIELDS),), -1.0, dtype=torch.float64)
 
     # -- state that PML keeps outside state_dict -------------------------------------------------------------
     def get_extra_state(self):
@@ -95,7 +101,7 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
                 self._adapt(embeddings)
             else:  # xbm: rows stay as written; the moments are still worth watching
                 mean, std = self.memory_moments()
-                self.last_diagnostics = {"memory_mean": float(mean.mean()), "memory_std": float(std.mean())}
+                self.last_diagnostics = {"memory_mean": mean.mean(), "memory_std": std.mean()}
             self.adaptation_steps += 1
         self._account_dequeued(batch_size)
         super().add_to_memory(embeddings, labels, batch_size)
@@ -108,17 +114,22 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         if self.row_sum.device != device:
             self.row_sum = self.row_sum.to(device)
             self.row_sq_sum = self.row_sq_sum.to(device)
+            self.non_finite = self.non_finite.to(device)
 
     def _account_dequeued(self, batch_size: int) -> None:
-        """Remove from the sums the valid rows that the batch is about to overwrite."""
-        idx = torch.arange(self.queue_idx, self.queue_idx + batch_size, device=self.row_sum.device)
-        idx = idx % self.memory_size
-        if not self.has_been_filled:
-            idx = idx[idx < self.queue_idx]  # only rows that wrapped around onto stored ones
-        if len(idx):
-            old = self.embedding_memory[idx].double()
-            self.row_sum -= old.sum(0)
-            self.row_sq_sum -= (old * old).sum(0)
+        """Remove from the sums the valid rows that the batch is about to overwrite (counted in Python: a
+        boolean mask would make the host wait for the device)."""
+        start = self.queue_idx
+        if self.has_been_filled:
+            idx = torch.arange(start, start + batch_size, device=self.row_sum.device) % self.memory_size
+        else:  # only the rows that wrap around onto stored ones: positions 0 .. start + B - M - 1
+            wrapped = start + batch_size - self.memory_size
+            if wrapped <= 0:
+                return
+            idx = torch.arange(wrapped, device=self.row_sum.device)
+        old = self.embedding_memory[idx].double()
+        self.row_sum -= old.sum(0)
+        self.row_sq_sum -= (old * old).sum(0)
 
     @torch.no_grad()
     def _adapt(self, batch: torch.Tensor) -> None:
@@ -133,13 +144,13 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         degenerate = memory_std <= STD_EPS
         scale = torch.where(degenerate, torch.ones_like(memory_std), target_std / memory_std.clamp_min(STD_EPS))
         shift = target_mean - scale * memory_mean
-        # The diagnostics and whether the map (4 d-vectors) is finite: one host transfer, before rows move.
+        # A non-finite map is recorded and replaced by the identity, decided on the device (no host wait).
         finite = torch.isfinite(torch.cat([target_mean, target_std, scale, shift])).all()
-        memory_mean_, memory_std_, batch_mean_, batch_std_, scale_, ok = torch.stack([
-            memory_mean.mean(), memory_std.mean(), batch_mean.mean(), batch_std.mean(), scale.mean(),
-            finite.double()]).tolist()
-        if not ok:
-            self._non_finite(target_mean, target_std, batch, memory_mean, memory_std)
+        self._record_non_finite(finite, target_mean, target_std, batch64, memory_mean, memory_std)
+        scale = torch.where(finite, scale, torch.ones_like(scale))
+        shift = torch.where(finite, shift, torch.zeros_like(shift))
+        diagnostics = {"memory_mean": memory_mean.mean(), "memory_std": memory_std.mean(),
+                       "batch_mean": batch_mean.mean(), "batch_std": batch_std.mean(), "scale": scale.mean()}
         rows = self.valid_rows()
         torch.addcmul(shift.to(rows.dtype), rows, scale.to(rows.dtype), out=rows)
 
@@ -147,26 +158,37 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         new_sq = scale * scale * self.row_sq_sum + 2 * scale * shift * self.row_sum + n * shift * shift
         self.row_sum.mul_(scale).add_(n * shift)
         self.row_sq_sum.copy_(new_sq)
-        self.last_diagnostics = {
-            **self.moments.diagnostics(),
-            "memory_mean": memory_mean_,
-            "memory_std": memory_std_,
-            "batch_mean": batch_mean_,
-            "batch_std": batch_std_,
-            "scale": scale_,
-        }
+        self.last_diagnostics = {**self.moments.diagnostics(), **diagnostics}
 
-    def _non_finite(self, target_mean, target_std, batch, memory_mean, memory_std) -> None:
-        def bad(x: torch.Tensor) -> int:
-            return int((~torch.isfinite(x)).sum())
+    def _record_non_finite(self, finite, target_mean, target_std, batch, memory_mean, memory_std) -> None:
+        """Keep, on the device, where the first non-finite update happened and what was non-finite in it."""
+        def bad(x: torch.Tensor) -> torch.Tensor:
+            return (~torch.isfinite(x)).sum().double()
 
-        where = (f"iteration {self.iteration}" if self.iteration is not None
-                 else f"memory update {self.adaptation_steps + 1}")
+        device = finite.device
+        at, is_iteration = ((self.iteration, 1.0) if self.iteration is not None
+                            else (self.adaptation_steps + 1, 0.0))
         gain = getattr(self.moments, "gain", None)
+        report = torch.stack([
+            torch.full((), float(at), dtype=torch.float64, device=device),
+            torch.full((), is_iteration, dtype=torch.float64, device=device),
+            bad(target_mean), bad(target_std),
+            bad(gain) if gain is not None else torch.full((), -1.0, dtype=torch.float64, device=device),
+            bad(batch), bad(memory_mean) + bad(memory_std)])
+        first = ~finite & (self.non_finite[0] < 0)
+        self.non_finite = torch.where(first, report, self.non_finite)
+
+    def check_finite(self) -> None:
+        """Raise `NonFiniteLossError` if an update since the start had a non-finite target (one host read)."""
+        report = dict(zip(NON_FINITE_FIELDS, self.non_finite.tolist()))
+        if report["at"] < 0:
+            return
+        where = f"{'iteration' if report['is_iteration'] else 'memory update'} {int(report['at'])}"
         what = type(self.moments).__name__.removesuffix("Moments")
+        d = self.embedding_size
+        gain = (f"; {what} gain non-finite in {int(report['gain'])} dims" if report["gain"] >= 0 else "")
         raise NonFiniteLossError(
-            f"at {where}: the memory's target moments are not finite (mean: {bad(target_mean)} of "
-            f"{target_mean.numel()} dims non-finite, std: {bad(target_std)} of {target_std.numel()}"
-            + (f"; {what} gain non-finite in {bad(gain)} dims" if gain is not None else "")
-            + f"; batch finite: {bad(batch) == 0}, memory moments finite: "
-            f"{bad(memory_mean) + bad(memory_std) == 0}); the memory was left as it was before this update")
+            f"at {where}: the memory's target moments are not finite (mean: {int(report['target_mean'])} of "
+            f"{d} dims non-finite, std: {int(report['target_std'])} of {d}{gain}; batch finite: "
+            f"{report['batch'] == 0}, memory moments finite: {report['memory_moments'] == 0}); the memory's "
+            f"rows were left as they were from this update on")

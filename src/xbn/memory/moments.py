@@ -27,11 +27,33 @@ class BatchMoments(nn.Module):
     def forward(self, memory_mean, memory_std, batch_mean, batch_std, batch_size: int):
         return batch_mean, batch_std
 
-    def diagnostics(self) -> dict[str, float]:
+    def diagnostics(self) -> dict[str, float | torch.Tensor]:
         return {"gain": 1.0}
 
 
-class _RecursiveMoments(nn.Module):
+class _CountedMoments(nn.Module):
+    """A step counter kept twice: a buffer, saved with the state, and a Python int that the per-step branches
+    read, so that no step waits for the device (reading a CUDA tensor as a number synchronises the host)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.count = 0
+
+    def _advance(self) -> None:
+        self.steps += 1
+        self.count += 1
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.count = int(self.steps)  # once per load, not per step
+
+    def diagnostics(self) -> dict[str, float | torch.Tensor]:
+        """The mean gain as a 0-d device tensor: the caller reads it only when it logs."""
+        return {"gain": self.gain.mean()}
+
+
+class _RecursiveMoments(_CountedMoments):
     """x <- x + K (y - x) for the mean and the std, per dimension; subclasses say what the gain K is."""
 
     def __init__(self, dim: int):
@@ -39,23 +61,19 @@ class _RecursiveMoments(nn.Module):
         self.register_buffer("mean", torch.zeros(dim, dtype=torch.float64))
         self.register_buffer("std", torch.zeros(dim, dtype=torch.float64))
         self.register_buffer("gain", torch.zeros(dim, dtype=torch.float64))
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
 
     def next_gain(self, batch_size: int) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, memory_mean, memory_std, batch_mean, batch_std, batch_size: int):
-        if int(self.steps) == 0:
+        if self.count == 0:
             self.mean.copy_(memory_mean)
             self.std.copy_(memory_std)
         self.gain.copy_(self.next_gain(batch_size))
         self.mean.add_(self.gain * (batch_mean - self.mean))
         self.std.add_(self.gain * (batch_std - self.std))
-        self.steps += 1
+        self._advance()
         return self.mean, self.std
-
-    def diagnostics(self) -> dict[str, float]:
-        return {"gain": float(self.gain.mean())}
 
 
 class KalmanMoments(_RecursiveMoments):
@@ -71,7 +89,7 @@ class KalmanMoments(_RecursiveMoments):
         self.register_buffer("covariance", torch.full((dim,), float(p0), dtype=torch.float64))
 
     def next_gain(self, batch_size: int) -> torch.Tensor:
-        if int(self.steps) % self.gain_interval:
+        if self.count % self.gain_interval:
             return self.gain
         predicted = self.covariance + self.q
         gain = predicted / (predicted + self.r / batch_size)
@@ -90,7 +108,7 @@ class EMAMoments(_RecursiveMoments):
         return torch.full_like(self.gain, 1.0 - self.momentum)
 
 
-class AdaptiveKalmanMoments(nn.Module):
+class AdaptiveKalmanMoments(_CountedMoments):
     """AXBN without q or r to tune (`axbn_auto`; beyond seed 000, which names hand-tuned q and r as its limit).
 
     Two per-dimension filters, for the mean and for the std, each with its noise estimated online:
@@ -114,7 +132,6 @@ class AdaptiveKalmanMoments(nn.Module):
         for name in ("mean", "std", "gain", "mean_covariance", "std_covariance"):
             self.register_buffer(name, torch.zeros(dim, dtype=torch.float64))
         self.register_buffer("relative_process_noise", torch.zeros(2, dtype=torch.float64))  # mean, std
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
         # Constants of `dim` alone (not state): the null law of the pooled statistic.
         self.null_median, self.null_median_std = self.chi2_median_moments(dim)
 
@@ -138,10 +155,10 @@ class AdaptiveKalmanMoments(nn.Module):
         covariance = getattr(self, f"{stat}_covariance")
         noise = noise.clamp_min(1e-30)
         innovation = observation - estimate
-        if int(self.steps) == 0:
+        if self.count == 0:
             covariance.copy_(noise)  # the prior (the memory's moments) is taken as uncertain as one batch
         ratio_to_noise = (covariance / noise).median()  # P/R, the same in every dimension but for R's updates
-        if int(self.steps) > 0:
+        if self.count > 0:
             # With Q = q R, nu^2 / (P + R) is chi-square(1) times c = 1 + q / (1 + P/R); the median over
             # its null mean estimates c without bias under no drift (the median of chi2_1 - 1 is -0.545, not
             # 0), so q = (c - 1)(1 + P/R) keeps the mean pooling's expectation.
@@ -160,7 +177,7 @@ class AdaptiveKalmanMoments(nn.Module):
         return gain
 
     def forward(self, memory_mean, memory_std, batch_mean, batch_std, batch_size: int):
-        if int(self.steps) == 0:
+        if self.count == 0:
             self.mean.copy_(memory_mean)
             self.std.copy_(memory_std)
         # The noise comes from the filter's own std estimate, not this batch's: dividing by a noisy s^2 would
@@ -168,8 +185,5 @@ class AdaptiveKalmanMoments(nn.Module):
         variance = self.std * self.std
         self.gain.copy_(self._update(0, "mean", batch_mean, variance / batch_size))
         self._update(1, "std", batch_std, variance / (2 * max(batch_size - 1, 1)))
-        self.steps += 1
+        self._advance()
         return self.mean, self.std
-
-    def diagnostics(self) -> dict[str, float]:
-        return {"gain": float(self.gain.mean())}

@@ -133,7 +133,16 @@ class Criterion(nn.Module):
         return loss
 
     def diagnostics(self) -> dict[str, float]:
-        return dict(self.memory.last_diagnostics) if self.memory is not None else {}
+        """The memory's last statistics as numbers: read only when the trainer logs (each read of a device
+        tensor waits for the device)."""
+        if self.memory is None:
+            return {}
+        return {k: float(v) for k, v in self.memory.last_diagnostics.items()}
+
+    def check_finite(self) -> None:
+        """Raise `NonFiniteLossError` naming the iteration if a memory update had a non-finite target."""
+        if self.memory is not None:
+            self.memory.check_finite()
 
 
 def memory_start_iteration(params: Params, steps_per_epoch: int) -> int:

@@ -389,15 +389,18 @@ class Trainer:
                 self.batches.observe(indices, embeddings.detach())
             self.iteration += 1
             seen += len(labels)
-            losses.append(loss.item())
-            if self.is_main and self.iteration % p.log_every == 0:
-                self._log_step(losses[-1])
+            losses.append(loss)
+            if self.iteration % p.log_every == 0:
+                self.criterion.check_finite()
+                if self.is_main:
+                    self._log_step(losses[-1])
             bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{self.optimizer.param_groups[0]['lr']:.2g}",
                             img_s=f"{seen / (time.perf_counter() - started):.0f}")
         self.throughput = seen / max(time.perf_counter() - started, 1e-9)
+        self.criterion.check_finite()  # before the epoch's checkpoint is written
         return float(np.mean(losses)) if losses else float("nan")
 
-    def step(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, torch.Tensor]:
         """One optimisation step on a batch (the benchmarks time exactly this); returns the loss and the
         embeddings. A non-finite loss stops before the update, so the weights stay the last good ones."""
         images = images.to(self.device, non_blocking=True)
@@ -407,15 +410,18 @@ class Trainer:
         with autocast(self.device, self.amp):
             embeddings = self.net(images)
         loss = self.criterion(embeddings, labels)  # the global batch's loss: the same value on every rank
-        if not torch.isfinite(loss):
-            raise NonFiniteLossError(
-                f"loss is {loss.item()} at epoch {self.epoch + 1}, iteration {self.iteration + 1} "
-                f"(embeddings finite: {bool(torch.isfinite(embeddings).all())}); the last good checkpoint "
-                f"is {self.checkpoint_dir / 'last.pt'}")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        # The step's one wait for the device, after the backward pass is queued: a non-finite loss must stop
+        # before the update, so the weights stay the last good ones.
+        value = loss.item()
+        if not math.isfinite(value):
+            raise NonFiniteLossError(
+                f"loss is {value} at epoch {self.epoch + 1}, iteration {self.iteration + 1} "
+                f"(embeddings finite: {bool(torch.isfinite(embeddings).all())}); the last good checkpoint "
+                f"is {self.checkpoint_dir / 'last.pt'}")
         self.optimizer.step()
-        return loss, embeddings
+        return value, embeddings
 
     def _fill_bank(self) -> None:
         """The embedded sampler's initial bank: one pass over the training images with the eval transform
