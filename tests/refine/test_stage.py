@@ -19,7 +19,7 @@ from xbn.stages.refine import evaluate_refined, refine
 from xbn.training import fit
 
 REFINE = ["eval.baseline=false", "refine.enabled=true", "refine.k=3", "refine.epochs=2", "refine.blocks=1", "refine.heads=2",
-          "refine.batch_size=16", "refine.serve=refined"]
+          "refine.batch_size=16", "refine.serve=refined", "refine.views=2"]
 
 
 def test_disabled_is_a_marker_then_enabled_refines_and_evaluate_reports_it(tiny_params, glyph_root):
@@ -48,6 +48,13 @@ def test_disabled_is_a_marker_then_enabled_refines_and_evaluate_reports_it(tiny_
     assert scores["val_plain_recall@1"] == pytest.approx(plain, abs=1e-12)
     refined = evaluate_refined(on, val_emb, val_labels, None, None, "models/model.pt")
     assert scores["val_refined_recall@1"] == pytest.approx(refined["recall@1"], abs=1e-12)
+    # The test protocol, plain and refined, for the report (recomputed the same way); the training views.
+    test_emb, test_labels = split_embeddings(on, "test")
+    assert scores["test_plain_recall@1"] == pytest.approx(brute_force_recall_at_1(test_emb, test_labels), abs=1e-12)
+    again = evaluate_refined(on, test_emb, test_labels, None, None, "models/model.pt")
+    assert scores["test_refined_recall@1"] == pytest.approx(again["recall@1"], abs=1e-12)
+    assert scores["views"] == 2 and 0 <= scores["train_plain_recall@1"] <= 1
+    print("refine.json", scores)
 
     metrics = evaluate(on)
     written = json.loads(Path("metrics/eval.json").read_text())

@@ -275,8 +275,11 @@ class RefineConfig(Section):
     nearest neighbours in the reference set, trained with the multi-similarity loss."""
 
     enabled: bool = False  # off: the stage writes only a 'disabled' marker (the default pipeline costs the same)
-    k: int = Field(10, ge=1)  # context size: neighbours in the reference set, the query itself excluded
-    blocks: int = Field(2, ge=1)  # T
+    k: int = Field(8, ge=1)  # context size: neighbours in the reference set, the item itself excluded (paper: 8)
+    blocks: int = Field(8, ge=1)  # T (paper: 8)
+    # Augmented passes over the training split the refiner trains on (stages/refine.py says why); 0: one
+    # eval-transform pass.
+    views: int = Field(2, ge=0)
     heads: int = Field(4, ge=1)  # must divide model.embedding_dim
     epochs: int = Field(20, ge=0)
     lr: float = Field(1e-3, gt=0.0, le=10.0)

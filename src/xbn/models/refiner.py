@@ -1,13 +1,15 @@
 """Neighbourhood-context refinement (seed 001, Kim et al.): a second-stage model on frozen embeddings.
 
-Each embedding z (the query) attends to its context C, the k nearest neighbours of z in the reference set
-(the query itself excluded), through T cross-attention blocks that add residual updates (Eq. 3):
+Each embedding z attends to its context C, the k nearest neighbours of z in the reference set (z itself
+excluded), through T cross-attention blocks that add residual updates (Eq. 3), each followed by an L2
+normalisation (Algorithms 1 and 2):
 
-    z_{t+1} = z_t + softmax((z_t W_q)(C W_k)^T / sqrt(d_h)) (C W_v) W_o      (per head, heads concatenated)
+    z_{t+1} = normalize(z_t + softmax((z_t W_q)(C W_k)^T / sqrt(d_h)) (C W_v) W_o)   (per head, concatenated)
 
-The context stays the frozen reference embeddings in every block; only the query moves. The output projection
-starts at zero, so an untrained refiner is the identity (after the final L2 normalisation): training starts
-from the plain embedding's ranking and can only be selected over it on validation.
+The context stays the frozen reference embeddings in every block; only z moves. Every embedding is refined
+this way, queries and references alike (Algorithm 2), and retrieval compares refined with refined. The output
+projection starts at zero, so an untrained refiner is the identity on unit vectors: training starts from the
+plain embedding's ranking and can only be selected over it on validation.
 """
 
 from __future__ import annotations
@@ -43,17 +45,18 @@ class ContextBlock(nn.Module):
 
 
 class ContextRefiner(nn.Module):
-    """T `ContextBlock`s, then L2 normalisation (the metrics and the loss compare cosines)."""
+    """T `ContextBlock`s, each followed by L2 normalisation (Algorithms 1/2: the next block's attention and the
+    loss compare unit vectors)."""
 
-    def __init__(self, dim: int, blocks: int = 2, heads: int = 4) -> None:
+    def __init__(self, dim: int, blocks: int = 8, heads: int = 4) -> None:
         super().__init__()
         self.dim, self.heads = dim, heads
         self.blocks = nn.ModuleList(ContextBlock(dim, heads) for _ in range(blocks))
 
     def forward(self, z: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            z = block(z, context)
-        return F.normalize(z, dim=-1)
+            z = F.normalize(block(z, context), dim=-1)
+        return z
 
     @torch.no_grad()
     def refine(self, z: torch.Tensor, references: torch.Tensor, neighbours: torch.Tensor,

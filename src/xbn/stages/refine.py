@@ -1,12 +1,24 @@
 """Stage `refine`: train the neighbourhood-context refiner (`xbn.models.refiner`) on frozen embeddings.
 
-`models/model.pt` embeds the train and val splits once; faiss finds each embedding's k nearest neighbours in
-its own split once (the embedding itself excluded), and those neighbourhoods are the contexts for the whole
-training. The refined embedding of an anchor is scored by PML's MultiSimilarityLoss against the *plain*
-embeddings of its class-balanced batch, because retrieval compares a refined query with the plain reference
-set: the gallery index stays the plain one and only the query passes through the refiner. The epoch with the
-best validation R@1 is kept (epoch 0 is the untrained refiner, the identity), and `refine.serve` decides which
-embedding is served (`auto`: refined only if it beats plain on validation).
+What the refiner trains on: augmented views of the training split. `models/model.pt` embeds the training
+images `refine.views` times through the training transform (random crop, flip, RandAugment, erasing: the
+augmentation the backbone trained with), and each view's neighbourhoods are found within that view. Why: the
+backbone fits the training split, so the eval-transform embeddings of training images sit in near-pure class
+clusters (their leave-one-out R@1 is far above val's) and the refiner sees only neighbourhoods that need no
+correction; it then learns the identity and epoch 0 is kept. Augmented views spread those clusters and mix
+in other classes' neighbours, as unseen test classes do, and every view is new data. The alternatives were
+worse here: a held-out fold of training classes would need a second backbone trained without it, and the
+class-disjoint val split is what selects the refiner (and `serve: auto`), so training on it would bias that
+choice. `refine.views: 0` trains on the eval-transform embeddings. The metrics file reports the training
+views' R@1 next to val's, so how test-like they were is visible.
+
+Training (Eq. 4, Algorithm 1): each batch's embeddings are refined against their k nearest neighbours (in
+their own view, the embedding itself excluded) and PML's MultiSimilarityLoss is taken between the refined
+embeddings. Inference (Algorithm 2): queries and references are both refined against their k nearest
+references, and retrieval compares refined with refined. The epoch with the best validation R@1 is kept
+(epoch 0 is the untrained refiner, the identity), and `refine.serve` decides which embedding is served
+(`auto`: refined only if it beats plain on validation). The test protocol (`eval.split`) is then scored
+plain and refined for the report only; it never selects anything.
 
 With `refine.enabled: false` the stage writes only a 'disabled' marker at `refine.output` and
 `{"enabled": false}` at `refine.metrics`, so the DVC graph stays whole at no cost.
@@ -16,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +36,7 @@ import torch
 
 from xbn.config import ConfigError, Params
 from xbn.data import ClassBalancedBatchSampler, build_transform, encode_labels, read_manifest
-from xbn.evaluation.embed import embed, image_loader
+from xbn.evaluation.embed import embed, embed_protocol, image_loader
 from xbn.evaluation.knn import knn_search
 from xbn.evaluation.metrics import retrieval_metrics
 from xbn.models.refiner import ContextRefiner, load_refiner, save_refiner
@@ -51,45 +64,59 @@ def refine(params: Params) -> dict:
                           f"({model.embedding_dim})")
     manifest = read_manifest(params.data.manifest)
     codes = dict(zip(manifest["label"], encode_labels(manifest["label"])))
-    transform = build_transform(params.data.image_size, training=False, mean=data_config["mean"],
-                                std=data_config["std"])
 
-    def embed_split(split: str) -> tuple[torch.Tensor, np.ndarray] | None:
+    def embed_split(split: str, training: bool = False) -> tuple[torch.Tensor, np.ndarray] | None:
         frame = manifest[manifest["split"] == split]
         if frame.empty:
             return None
+        transform = build_transform(params.data.image_size, training=training, mean=data_config["mean"],
+                                    std=data_config["std"])
         loader = image_loader(frame, params.data.root, frame["label"].map(codes).to_numpy(), transform,
                               params.eval.batch_size, params.data.num_workers, device)
         emb, labels = embed(model, loader, device, params.train.amp)
         return torch.from_numpy(emb), labels
 
-    train_set, val_set = embed_split("train"), embed_split("val")
-    if train_set is None:
+    seed_everything(cfg.seed)  # the augmented views are drawn reproducibly
+    views = [embed_split("train", training=True) for _ in range(cfg.views)] or [embed_split("train")]
+    if views[0] is None:
         raise ValueError(f"{params.data.manifest} has no 'train' rows")
-    summary = fit_refiner(params, train_set, val_set, device)
+    summary = fit_refiner(params, views, embed_split("val"), device)
     summary["embedder_sha256"] = file_digest(model_path)
+    # The test protocol, plain and refined with the selected refiner: reported, never selected on.
+    test = embed_protocol(model, manifest, params.data.root, params.eval.split, image_size=params.data.image_size,
+                          mean=data_config["mean"], std=data_config["std"], batch_size=params.eval.batch_size,
+                          num_workers=params.data.num_workers, device=device, amp=params.train.amp)
+    protocol = (test.query_emb, test.query_labels, test.reference_emb, test.reference_labels)
+    summary["test_plain_recall@1"] = retrieval_metrics(*protocol, ks=(1,), nmi=False,
+                                                       device=str(device))["recall@1"]
+    summary["test_refined_recall@1"] = refined_metrics(summary["refiner"], *protocol, cfg.k, ks=(1,), nmi=False,
+                                                       device=device)["recall@1"]
     save_refiner(cfg.output, summary.pop("refiner"), {k: summary[k] for k in
                                                       ("k", "served", "epoch", "embedder_sha256")})
     # The per-epoch rows stay out of the DVC metrics file (they are returned and printed by the CLI).
     write_json(cfg.metrics, {k: v for k, v in summary.items() if k != "history"})
-    log.info("refiner: val R@1 plain %s refined %s (epoch %s), serving %s -> %s",
-             summary["val_plain_recall@1"], summary["val_refined_recall@1"], summary["epoch"], summary["served"],
-             cfg.output)
+    log.info("refiner: R@1 plain -> refined: val %s -> %s (epoch %s), %s %s -> %s; serving %s -> %s",
+             summary["val_plain_recall@1"], summary["val_refined_recall@1"], summary["epoch"], params.eval.split,
+             summary["test_plain_recall@1"], summary["test_refined_recall@1"], summary["served"], cfg.output)
     return summary
 
 
-def fit_refiner(params: Params, train_set: tuple[torch.Tensor, np.ndarray],
-                val_set: tuple[torch.Tensor, np.ndarray] | None, device: torch.device | str = "cpu") -> dict:
-    """Train a refiner on (embeddings, labels) of the train split, select it on val; returns the summary with
-    the selected refiner under "refiner"."""
+TrainSet = tuple[torch.Tensor, np.ndarray]
+
+
+def fit_refiner(params: Params, train_views: TrainSet | Sequence[TrainSet], val_set: TrainSet | None,
+                device: torch.device | str = "cpu") -> dict:
+    """Train a refiner on one or more views (embeddings, labels) of the train split, select it on val; returns
+    the summary with the selected refiner under "refiner"."""
     from pytorch_metric_learning.losses import MultiSimilarityLoss
-    from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
     cfg = params.refine
     seed_everything(cfg.seed)
     device = torch.device(device)
-    train_emb, train_labels = train_set[0].to(device), train_set[1]
-    train_ctx = context_indices(train_emb, None, cfg.k, device=device)  # once, on the frozen embeddings
+    if isinstance(train_views[0], (torch.Tensor, np.ndarray)):  # a single view
+        train_views = [train_views]
+    train_emb, train_labels, train_ctx = pooled_contexts(train_views, cfg.k, device)
+    train_plain = float(np.mean([retrieval_metrics(e, y, ks=(1,), nmi=False)["recall@1"] for e, y in train_views]))
     labels = torch.as_tensor(train_labels, device=device)
 
     refiner = ContextRefiner(train_emb.shape[1], cfg.blocks, cfg.heads).to(device)
@@ -113,11 +140,7 @@ def fit_refiner(params: Params, train_set: tuple[torch.Tensor, np.ndarray],
         losses = []
         for batch in sampler:
             rows = torch.as_tensor(batch, device=device)
-            z, y = train_emb[rows], labels[rows]
-            refined = refiner(z, train_emb[train_ctx[rows]])
-            # Pairs within the batch, each anchor's own plain row excluded (labels == ref_labels by identity).
-            pairs = lmu.get_all_pairs_indices(y)
-            loss = loss_fn(refined, y, pairs, ref_emb=z, ref_labels=y)
+            loss = batch_loss(refiner, loss_fn, train_emb[rows], train_emb[train_ctx[rows]], labels[rows])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -133,6 +156,7 @@ def fit_refiner(params: Params, train_set: tuple[torch.Tensor, np.ndarray],
     else:
         served = cfg.serve
     return {"enabled": True, "k": cfg.k, "epoch": best_epoch, "served": served, "refiner": refiner,
+            "views": len(train_views), "train_plain_recall@1": train_plain,
             "val_plain_recall@1": plain, "val_refined_recall@1": best_score, "history": history}
 
 
@@ -146,24 +170,46 @@ def context_indices(queries, references, k: int, *, chunk_size: int = 4096,
     return torch.from_numpy(idx).to(device)
 
 
-def refined_metrics(refiner: ContextRefiner, q_emb, q_labels, r_emb, r_labels, k: int, *, ks=(1,),
-                    nmi: bool = True, chunk_size: int = 4096, device: torch.device | str = "cpu") -> dict:
-    """Retrieval metrics of refined queries against the plain references.
+def pooled_contexts(views: Sequence[TrainSet], k: int, device: torch.device | str = "cpu"
+                    ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+    """All views in one pool: (embeddings [N, d], labels [N], contexts [N, k] into the pool); each row's
+    context is its k nearest rows of its own view, itself excluded (a view is one pass over the split)."""
+    emb = torch.cat([torch.as_tensor(e, dtype=torch.float32) for e, _ in views]).to(device)
+    offsets = np.cumsum([0] + [len(e) for e, _ in views])
+    ctx = torch.cat([context_indices(emb[s:t], None, k, device=device) + int(s)
+                     for s, t in zip(offsets[:-1], offsets[1:])])
+    return emb, np.concatenate([np.asarray(y) for _, y in views]), ctx
 
-    Query -> gallery (`r_emb` given): each query's context is its k nearest gallery embeddings. Leave-one-out
-    (`r_emb` None): the queries are the references, and query i is left out both of its own context and of
-    its own search (`exclude`), so it never sees itself.
-    """
+
+def batch_loss(refiner: ContextRefiner, loss_fn, z: torch.Tensor, context: torch.Tensor,
+               labels: torch.Tensor) -> torch.Tensor:
+    """Eq. 4: the multi-similarity loss over all pairs of the batch's refined embeddings."""
+    return loss_fn(refiner(z, context), labels)
+
+
+def refine_both(refiner: ContextRefiner, q_emb, r_emb=None, k: int = 8, *, chunk_size: int = 4096,
+                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Algorithm 2: (refined queries, refined references; None for leave-one-out). Every reference is refined
+    against its k nearest other references, every query against its k nearest references (leave-one-out: the
+    queries are the references, each left out of its own context)."""
     device = torch.device(device)
     q = torch.as_tensor(q_emb, dtype=torch.float32, device=device)
-    leave_one_out = r_emb is None
-    r = q if leave_one_out else torch.as_tensor(r_emb, dtype=torch.float32, device=device)
-    ctx = context_indices(q, None if leave_one_out else r, k, chunk_size=chunk_size, device=device)
-    refined = refiner.to(device).refine(q, r, ctx, chunk_size)
-    exclude = np.arange(len(q)) if leave_one_out else None
-    return retrieval_metrics(refined.cpu(), q_labels, r.cpu(), q_labels if leave_one_out else r_labels,
-                             ks=tuple(ks), chunk_size=chunk_size, device=str(device), nmi=nmi,
-                             exclude=exclude)
+    r = q if r_emb is None else torch.as_tensor(r_emb, dtype=torch.float32, device=device)
+    refiner = refiner.to(device)
+    refined_r = refiner.refine(r, r, context_indices(r, None, k, chunk_size=chunk_size, device=device), chunk_size)
+    if r_emb is None:
+        return refined_r, None
+    return refiner.refine(q, r, context_indices(q, r, k, chunk_size=chunk_size, device=device), chunk_size), refined_r
+
+
+def refined_metrics(refiner: ContextRefiner, q_emb, q_labels, r_emb, r_labels, k: int, *, ks=(1,),
+                    nmi: bool = True, chunk_size: int = 4096, device: torch.device | str = "cpu") -> dict:
+    """Retrieval metrics of refined queries against refined references (`refine_both`); leave-one-out
+    (`r_emb` None) searches each refined item among the other refined items."""
+    refined_q, refined_r = refine_both(refiner, q_emb, r_emb, k, chunk_size=chunk_size, device=device)
+    return retrieval_metrics(refined_q.cpu(), q_labels, None if refined_r is None else refined_r.cpu(),
+                             None if refined_r is None else r_labels, ks=tuple(ks), chunk_size=chunk_size,
+                             device=str(torch.device(device)), nmi=nmi)
 
 
 def evaluate_refined(params: Params, q_emb, q_labels, r_emb, r_labels, model_path: str | Path,
@@ -183,4 +229,5 @@ def evaluate_refined(params: Params, q_emb, q_labels, r_emb, r_labels, model_pat
     return {**metrics, "served": checkpoint["served"] == "refined"}
 
 
-__all__ = ["context_indices", "evaluate_refined", "fit_refiner", "refine", "refined_metrics"]
+__all__ = ["batch_loss", "context_indices", "evaluate_refined", "fit_refiner", "pooled_contexts", "refine",
+           "refine_both", "refined_metrics"]
