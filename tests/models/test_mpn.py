@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from xbn.config import ConfigError, Params, load_params
-from xbn.evaluation.mpn_rerank import mpn_retrieval_metrics, reciprocal_neighbours
+from xbn.evaluation.mpn_rerank import kreciprocal_neighbourhoods, mpn_retrieval_metrics
 from xbn.losses.mpn import IntraBatchLoss
 from xbn.training.criterion import build_criterion
 from xbn.models.mpn import MessagePassingNetwork, load_mpn
@@ -98,6 +98,31 @@ def test_config_defaults_and_errors():
         load_params(ROOT / "params.yaml", ["model.mpn.label_smoothing=1.5"])
 
 
+@pytest.mark.parametrize("dataset, classes, samples", [("cub", 6, 9), ("glyphs", 6, 9), ("cars196", 10, 7),
+                                                        ("sop", 15, 6), ("inshop", 14, 4)])
+def test_the_papers_batch_composition_per_dataset(dataset, classes, samples):
+    # Seidenschwarz et al. Sec. 4.1: classes x samples per batch; the shipped 64 / 4 yield to it.
+    params = load_params(ROOT / "params.yaml", ["model.mpn.enabled=true", f"data.dataset={dataset}"])
+    assert (params.train.batch_size, params.train.samples_per_class) == (classes * samples, samples)
+    assert Params.model_validate(params.model_dump()) == params  # resolving twice changes nothing
+    off = load_params(ROOT / "params.yaml", [f"data.dataset={dataset}"])
+    assert (off.train.batch_size, off.train.samples_per_class) == (64, 4)  # without the MPN: untouched
+
+
+def test_an_explicit_batch_wins_over_the_papers():
+    def batch(*overrides):
+        p = load_params(ROOT / "params.yaml", ["model.mpn.enabled=true", *overrides])
+        return p.train.batch_size, p.train.samples_per_class
+
+    assert batch("train.batch_size=32") == (32, 4)  # train's, moved off the shipped 64 / 4
+    assert batch("train.samples_per_class=2") == (64, 2)
+    assert batch("model.mpn.classes_per_batch=16", "model.mpn.samples_per_class=4") == (64, 4)
+    assert batch("model.mpn.samples_per_class=3", "train.batch_size=32") == (18, 3)  # mpn's keys first
+    with pytest.raises(ConfigError, match=r"15 classes x 6: train\.sampler\.candidates \(80\)"):
+        load_params(ROOT / "params.yaml", ["model.mpn.enabled=true", "data.dataset=sop",
+                                           "train.sampler.name=ddm", "train.sampler.candidates=80"])
+
+
 def test_composes_with_the_memory():
     params = Params.model_validate({"model": {"embedding_dim": 16, "mpn": {"enabled": True, "heads": 2}},
                                     "memory": {"method": "xbm", "start": 0}, "loss": {"miner": None}})
@@ -113,28 +138,60 @@ def test_composes_with_the_memory():
         build_criterion(params, 64)
 
 
-def test_reciprocal_neighbours_by_hand():
-    # Two tight pairs (0,1), (2,3) and an item 4 whose nearest, 3, has a nearer one (2).
-    x = torch.tensor([[1.0, 0.0], [0.99, 0.1], [0.0, 1.0], [0.1, 0.99], [0.45, 0.89]])
-    x = F.normalize(x, dim=1).numpy()
-    idx, valid = reciprocal_neighbours(x, x, 1, leave_one_out=True)
-    assert idx[:, 0].tolist() == [1, 0, 3, 2, 3]
-    assert valid[:, 0].tolist() == [True, True, True, True, False]
-    idx, valid = reciprocal_neighbours(x, x, 2, leave_one_out=True)  # 4 is in the two nearest of 3 and 2
-    assert idx[4].tolist() == [3, 2] and valid[4].tolist() == [True, True]
-    # Query -> gallery: reciprocal when the query beats the gallery item's k-th gallery match.
-    idx, valid = reciprocal_neighbours(x[4:], x[:4], 1, leave_one_out=False)
-    assert idx.tolist() == [[3]] and valid.tolist() == [[False]]
+def _on_circle(degrees):
+    """Unit vectors at these angles: within 0-90 degrees the cosine ranks pairs as the angle between them."""
+    rad = np.radians(np.asarray(degrees, dtype=np.float64))
+    return np.stack([np.cos(rad), np.sin(rad)], axis=1).astype(np.float32)
+
+
+# Seven items at these angles; the "distance" is the angle between two of them:
+#         0    1    2    3    4    5    6
+#   0     -   20   46   68   74   77   79        N(i, 3) = i and its 3 nearest   N(i, 2) = i and its 2 nearest
+#   1    20    -   26   48   54   57   59        N(0,3) = {0, 1, 2, 3}           N(0,2) = {0, 1, 2}
+#   2    46   26    -   22   28   31   33        N(1,3) = {1, 0, 2, 3}           N(1,2) = {1, 0, 2}
+#   3    68   48   22    -    6    9   11        N(2,3) = {2, 3, 1, 4}           N(2,2) = {2, 3, 1}
+#   4    74   54   28    6    -    3    5        N(3,3) = {3, 4, 5, 6}           N(3,2) = {3, 4, 5}
+#   5    77   57   31    9    3    -    2        N(4,3) = {4, 5, 6, 3}
+#   6    79   59   33   11    5    2    -
+ANGLES = [10, 30, 56, 78, 84, 87, 89]
+
+
+def test_kreciprocal_neighbourhood_by_hand():
+    x = _on_circle(ANGLES)
+    # Item 2, k = 3, k_r = 4 nodes (2 and 3 neighbours):
+    #   R(2,3): 3 and 4 are in N(2,3) but 2 is not in N(3,3) nor N(4,3); 1 is mutual -> R(2,3) = {1, 2}.
+    #   k/2 = round(1.5) = 2. R(1,2) = {1, 0, 2} (0 and 2 both hold 1 in their N(.,2)); 2 of its 3 lie in
+    #   R(2,3): 2 >= 2/3 * 3, so it joins (Zhong's >=; a strict > would not). R(2,2) = {2, 1} (3's N(3,2)
+    #   lacks 2), already in. Expanded set {0, 1, 2}: without 2 itself, nearest first, 1 (26) then 0 (46);
+    #   padded to 3 neighbours with 2's nearest not in it: 3 (22). Plain kNN would give [3, 1, 4].
+    idx, valid, expanded = kreciprocal_neighbourhoods(x, x, 3, 4, leave_one_out=True)
+    assert idx[2].tolist() == [1, 0, 3] and valid[2].all() and expanded[2] == 2
+    #   Item 3: R(3,3) = {3, 4, 5, 6} (4, 5, 6 all hold 3 in N(.,3)); nothing to pad, the nearest first.
+    assert idx[3].tolist() == [4, 5, 6] and expanded[3] == 3
+    #   k_r = 3 cuts the set to its nearest 2: item 2 keeps [1, 0] (the expansion outranks the nearer 3).
+    assert kreciprocal_neighbourhoods(x, x, 3, 3, leave_one_out=True)[0][2].tolist() == [1, 0]
+
+    # Query -> gallery: a query at 50 degrees; distances to 0..6: 40, 20, 6, 28, 34, 37, 39.
+    #   N(q,3) = {2, 1, 3}. q counts as in N(j,3) when it beats j's 3rd nearest other: j=2's is 4 at 28 > 6,
+    #   j=1's is 3 at 48 > 20, j=3's is 6 at 11 < 28 -> R(q,3) = {1, 2}. R(1,2) = {0, 1, 2} has 2 of 3 in it
+    #   -> joins. Expanded {0, 1, 2} by distance: [2, 1, 0] (plain kNN: [2, 1, 3]).
+    idx, valid, expanded = kreciprocal_neighbourhoods(_on_circle([50]), x, 3, 4, leave_one_out=False)
+    assert idx.tolist() == [[2, 1, 0]] and valid.all() and expanded.tolist() == [3]
+
+    # More nodes than references: the rest is masked out, never a repeated item.
+    idx, valid, _ = kreciprocal_neighbourhoods(x[:3], x[:3], 1, 6, leave_one_out=True)
+    assert valid.sum(1).tolist() == [2, 2, 2] and idx[0][valid[0]].tolist() == [1, 2]
 
 
 def test_test_time_metrics_in_both_protocols():
     mpn = _mpn().eval()
     emb = F.normalize(torch.randn(20, 16), dim=-1).numpy()
     labels = np.arange(20) // 4
-    loo = mpn_retrieval_metrics(mpn, emb, labels, k=3, ks=(1, 2))
-    qg = mpn_retrieval_metrics(mpn, emb[::2], labels[::2], emb[1::2], labels[1::2], k=3, ks=(1, 2), nmi=False)
+    loo = mpn_retrieval_metrics(mpn, emb, labels, k=3, size=6, ks=(1, 2))
+    qg = mpn_retrieval_metrics(mpn, emb[::2], labels[::2], emb[1::2], labels[1::2], k=3, size=6, ks=(1, 2),
+                               nmi=False)
     for m in (loo, qg):
-        assert 0 <= m["recall@1"] <= m["recall@2"] <= 1 and 0 < m["reciprocal_neighbours"] <= 3
+        assert 0 <= m["recall@1"] <= m["recall@2"] <= 1 and 0 < m["reciprocal_neighbours"] <= 9
 
 
 @pytest.mark.slow
@@ -160,7 +217,8 @@ def test_training_with_mpn_and_test_time_evaluation(tiny_params):
     # Both metric sets, recomputed from the saved model and MPN: plain by brute force, MPN over k = test_k.
     emb, labels = split_embeddings(params, "test")
     assert written["recall@1"] == pytest.approx(brute_force_recall_at_1(emb, labels), abs=1e-12)
-    again = mpn_retrieval_metrics(load_mpn("models/mpn.pt"), emb, labels, k=3, ks=params.eval.k, nmi=False)
+    again = mpn_retrieval_metrics(load_mpn("models/mpn.pt"), emb, labels, k=3, size=params.train.batch_size,
+                                  ks=params.eval.k, nmi=False)
     assert written["mpn"]["recall@1"] == pytest.approx(again["recall@1"], abs=1e-12)
     assert written["mpn"]["num_queries"] == metrics["num_queries"]
 

@@ -8,7 +8,7 @@ import re
 import warnings
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from xbn.config.errors import close_matches
@@ -79,21 +79,32 @@ MPN_FAMILY = {"cars196": "cars196", "sop": "sop", "inshop": "inshop", "deepfashi
 
 
 class MpnConfig(Section):
-    """Message passing over the batch graph as a training loss (the backbone embeddings stay the output)."""
+    """Message passing over the batch graph as a training loss (the backbone embeddings stay the output).
+
+    The batch is the paper's composition for the dataset (classes x samples per class, MPN_PAPER_DEFAULTS),
+    written into train.batch_size and train.samples_per_class when the config loads. Who wins: a number in
+    `classes_per_batch` / `samples_per_class` here first; else train.batch_size / train.samples_per_class when
+    either was moved off the shipped 64 / 4 (a value the user chose); else the paper's. To run the MPN at
+    64 x 4 itself, say so here (classes_per_batch: 16, samples_per_class: 4)."""
 
     enabled: bool = False
     layers: int | None = Field(None, ge=1)  # null: the paper's value for data.dataset (MPN_PAPER_DEFAULTS)
     heads: int | None = Field(None, ge=1)  # each head is embedding_dim / heads wide
     temperature: float | None = Field(None, gt=0.0)
+    classes_per_batch: int | None = Field(None, ge=2)  # null: the paper's (or train's, see above)
+    samples_per_class: int | None = Field(None, ge=2)
     label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
     aux_weight: float = Field(1.0, ge=0.0)  # weight of the cross-entropy on the backbone embeddings
     ffn_multiplier: int = Field(4, ge=1)  # feed-forward hidden width = ffn_multiplier * embedding_dim
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
-    test_time: bool = False  # evaluate also reports the MPN run over each query's k-reciprocal neighbours
-    test_k: int = Field(10, ge=1)
+    test_time: bool = False  # evaluate also reports the MPN run over each item's k-reciprocal neighbourhood
+    test_k: int = Field(30, ge=1)  # k of the k-reciprocal sets (the authors' code: 30)
+    # Nodes of each test graph, the item included (k_r); null: the training batch size, as in the authors' code.
+    test_size: int | None = Field(None, ge=2)
 
     def resolved(self, dataset: str) -> "MpnConfig":
-        """A copy with every null filled from the paper's setting for the dataset's family."""
+        """A copy with every null of the network filled from the paper's setting for the dataset's family
+        (the batch composition is resolved by `Params`, which also sees train's)."""
         layers, heads, temperature, *_ = MPN_PAPER_DEFAULTS[MPN_FAMILY.get(dataset, "cub")]
         return self.model_copy(update={"layers": self.layers or layers, "heads": self.heads or heads,
                                        "temperature": self.temperature or temperature})
@@ -496,7 +507,33 @@ class Params(Section):
         if mpn.enabled and self.model.embedding_dim % mpn.heads:
             raise ValueError(f"model.embedding_dim ({self.model.embedding_dim}) must be divisible by "
                              f"model.mpn.heads ({mpn.heads}): each head is embedding_dim / heads wide")
+        if mpn.enabled:
+            self._apply_mpn_batch()
         return self
+
+    def _apply_mpn_batch(self) -> None:
+        """Write the MPN's batch composition (MpnConfig's docstring says who wins) into train, so the sampler,
+        the memory, the checkpoint's params record and MLflow all see the batch that runs."""
+        mpn, train = self.model.mpn, self.train
+        *_, paper_classes, paper_samples = MPN_PAPER_DEFAULTS[MPN_FAMILY.get(self.data.dataset, "cub")]
+        fields = TrainConfig.model_fields
+        if mpn.classes_per_batch or mpn.samples_per_class:
+            samples = mpn.samples_per_class or paper_samples
+            batch = (mpn.classes_per_batch or paper_classes) * samples
+        elif (train.batch_size, train.samples_per_class) != (fields["batch_size"].default,
+                                                             fields["samples_per_class"].default):
+            batch, samples = train.batch_size, train.samples_per_class
+        else:
+            batch, samples = paper_classes * paper_samples, paper_samples
+        if (batch, samples) == (train.batch_size, train.samples_per_class):
+            return
+        try:
+            resolved = TrainConfig.model_validate({**train.model_dump(), "batch_size": batch,
+                                                   "samples_per_class": samples})
+        except ValidationError as err:
+            problem = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
+            raise ValueError(f"model.mpn's batch of {batch // samples} classes x {samples}: {problem}") from None
+        self.__dict__["train"] = resolved  # not `self.train = `: assignment would re-run this validator
 
     @model_validator(mode="after")
     def _memvir_fits(self):

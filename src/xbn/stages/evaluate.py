@@ -83,13 +83,15 @@ def _embedding_space(params: Params, model, manifest, data_config, device, metri
 
 
 def _mpn_metrics(params: Params, device, q_emb, q_lab, r_emb, r_lab) -> dict:
-    """Retrieval metrics after the trained MPN (`models/mpn.pt`) refines each embedding over its k-reciprocal
-    neighbourhood (`model.mpn.test_k`)."""
+    """Retrieval metrics after the trained MPN (`models/mpn.pt`) refines each embedding over its expanded
+    k-reciprocal neighbourhood (`model.mpn.test_k`), test_size nodes (null: the training batch's)."""
     from xbn.evaluation.mpn_rerank import mpn_retrieval_metrics
     from xbn.models.mpn import load_mpn
 
     mpn = load_mpn(Path(params.train.checkpoint_dir) / "mpn.pt", map_location=device)
-    return mpn_retrieval_metrics(mpn, q_emb, q_lab, r_emb, r_lab, k=params.model.mpn.test_k, ks=params.eval.k,
+    cfg = params.model.mpn
+    return mpn_retrieval_metrics(mpn, q_emb, q_lab, r_emb, r_lab, k=cfg.test_k,
+                                 size=cfg.test_size or params.train.batch_size, ks=params.eval.k,
                                  chunk_size=params.eval.query_chunk, device=str(device))
 
 
