@@ -107,3 +107,26 @@ def test_cli_nproc_launches_torchrun(tiny_params, glyph_root, tmp_path):
     assert summary["epochs"] == 2 and summary["iterations"] == 4
     assert json.loads(Path("metrics/train.json").read_text())["iterations"] == 4
     assert Path("models/model.pt").exists() and Path("models/last.pt").exists()
+
+
+def test_ddp_keeps_the_mpn_weights_identical_on_every_rank(tiny_params, glyph_root, tmp_path):
+    # The MPN trains inside the criterion, outside the DDP module; each rank draws its own dropout masks
+    # (model.mpn.dropout 0.1), so only averaging its gradients keeps the ranks' MPNs equal.
+    run = ["memory.method=none", "model.mpn.enabled=true", "train.epochs=1"]
+    prepare(tiny_params(*run))
+    overrides = [*TINY, f"data.root={glyph_root}", *run, "train.checkpoint_dir=ddp_models",
+                 "train.metrics_dir=ddp_metrics"]
+    mp.spawn(worker, args=(str(tmp_path), str(tmp_path / "init"), overrides), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    # The weights (the BatchNorm neck's running statistics follow each rank's own dropout and stay apart).
+    weights = [{k: v for k, v in r["criterion"].items() if k.startswith("mpn_loss.") and "running_" not in k
+                and "num_batches" not in k} for r in ranks]
+    assert any(k.startswith("mpn_loss.mpn.layers.0.self_attn") for k in weights[0])
+    assert_states_equal(weights[0], weights[1], rtol=0, atol=0)
+    assert_states_equal(ranks[0]["model"], ranks[1]["model"], rtol=0, atol=0)
+    assert ranks[0]["local_rows"] == [8] * 4  # 2 epochs (1 warm-up) x 2 global batches of 16, half each
+    # And it trained: the MPN left its initialisation (the same seed on both ranks builds the same one).
+    torch.manual_seed(0)
+    fresh = Trainer(tiny_params(*run), progress=False).criterion.state_dict()
+    assert not torch.equal(fresh["mpn_loss.mpn.layers.0.linear1.weight"],
+                           weights[0]["mpn_loss.mpn.layers.0.linear1.weight"])

@@ -199,23 +199,30 @@ class Trainer:
             self.model.set_backbone_trainable(False)
             self._wrap()
             groups = [{"params": list(self.model.head_parameters())}, *self._criterion_groups(t.warmup_lr)]
-            return torch.optim.SGD(groups, lr=t.warmup_lr, momentum=0.9), None
+            return self._sync_criterion(torch.optim.SGD(groups, lr=t.warmup_lr, momentum=0.9)), None
         self.model.set_backbone_trainable(True)
         self._wrap()
         groups = [{"params": list(self.model.parameters())}, *self._criterion_groups(t.lr)]
-        optimizer = torch.optim.AdamW(groups, lr=t.lr, weight_decay=t.weight_decay)
+        optimizer = self._sync_criterion(torch.optim.AdamW(groups, lr=t.lr, weight_decay=t.weight_decay))
         return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, t.lr_step_epochs, t.lr_gamma)
 
     def _criterion_groups(self, lr: float) -> list[dict]:
         """The loss side's trainable parameters (e.g. the Intra-Batch MPN and its classifiers) as their own
-        param group, trained in both phases. Under DDP they need no gradient all-reduce: every rank computes
-        the criterion on the same gathered global batch, so their gradients agree (up to dropout masks, which
-        are drawn per rank)."""
+        param group, trained in both phases (kept equal across ranks by `_sync_criterion`)."""
         # The loss's class weights/proxies (e.g. NormalizedSoftmaxLoss.W) at loss.lr_multiplier x lr.
         own = [q for q in self.criterion.loss.parameters() if q.requires_grad]
         rest = [q for q in self.criterion.parameters() if q.requires_grad and id(q) not in set(map(id, own))]
         groups = [{"params": own, "lr": lr * self.params.loss.lr_multiplier}] if own else []
         return groups + ([{"params": rest}] if rest else [])
+
+    def _sync_criterion(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Under DDP, average the criterion's gradients over the ranks before every step. DDP reduces only the
+        wrapped model's; each rank computes the criterion on the same gathered global batch, but with its own
+        dropout masks (the MPN's), so unreduced its weights would drift apart from rank to rank."""
+        params = [q for q in self.criterion.parameters() if q.requires_grad]
+        if self.world_size > 1 and params:
+            optimizer.register_step_pre_hook(lambda *_: distributed.average_gradients(params))
+        return optimizer
 
     def _wrap(self) -> None:
         """(Re)wrap the model in DDP after its trainable set changed: DDP reduces the gradients of exactly

@@ -84,6 +84,21 @@ def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def average_gradients(parameters: Sequence[torch.Tensor]) -> None:
+    """Replace each gradient of `parameters` by its mean over the ranks (one all-reduce of them flattened);
+    for parameters outside the DistributedDataParallel module, whose gradients DDP does not reduce. Every
+    rank must pass the same parameters with gradients of the same shapes."""
+    size = world_size()
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if size == 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= size
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
 class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, factor: float) -> torch.Tensor:
