@@ -205,6 +205,11 @@ def test_training_image():
     assert "python3.11 -m venv" in runs
     assert "pip install -r requirements/lock.txt -r infra/requirements-s3.txt" in runs
     assert "pip install --no-deps --no-build-isolation ." in runs
+    # faiss-gpu replaces faiss-cpu: uninstalled first, since both own the same `faiss` module files.
+    swap = runs.index("pip uninstall -y faiss-cpu")
+    assert runs.index("pip install -r requirements/lock.txt") < swap < runs.index(
+        "pip install -r infra/requirements-gpu.txt")
+    assert "faiss-gpu==" in (INFRA / "requirements-gpu.txt").read_text()
     assert ("USER", "xbn") in instructions
     ignore = INFRA / "Dockerfile.dockerignore"
     for needed in ("src/xbn/__init__.py", "pyproject.toml", "README.md", "params.yaml", "prefect.yaml",

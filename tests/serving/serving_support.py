@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import torch
 from PIL import Image
@@ -30,3 +34,32 @@ def draw(path: Path, colour: tuple[int, int, int], seed: int, mode: str = "RGB")
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(pixels).convert(mode).save(path)
     return path
+
+
+@contextlib.contextmanager
+def running(app):
+    """The app on a real uvicorn server in a thread, on a free port of 127.0.0.1."""
+    from xbn.serving.http import bound_port, make_server
+
+    server = make_server(app, "127.0.0.1", 0, log_level="warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{bound_port(server)}", timeout=30) as client:
+            yield client
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def wait_for(predicate, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.05)
+    raise AssertionError("condition not reached in time")

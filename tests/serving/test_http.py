@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import shutil
@@ -11,7 +10,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,16 +17,14 @@ from types import SimpleNamespace
 import httpx
 import numpy as np
 import pytest
-from serving_support import IMAGE_SIZE
+from serving_support import IMAGE_SIZE, running, wait_for
 
 from xbn.serving.http import (
     Holder,
     LocalModelSource,
     RegistryModelSource,
     ServeConfig,
-    bound_port,
     create_app,
-    make_server,
     token_from_env,
 )
 from xbn.serving.index import IndexConfig, build_catalogue
@@ -71,33 +67,6 @@ def deployed(versions, tmp_path) -> Path:
 
 def local_source(where: Path) -> LocalModelSource:
     return LocalModelSource(where / "model.pt", where / "index", IMAGE_SIZE, name="glyphs")
-
-
-@contextlib.contextmanager
-def running(app):
-    """The app on a real uvicorn server in a thread, on a free port of 127.0.0.1."""
-    server = make_server(app, "127.0.0.1", 0, log_level="warning")
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{bound_port(server)}", timeout=30) as client:
-            yield client
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
-def wait_for(predicate, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.05)
-    raise AssertionError("condition not reached in time")
 
 
 def upload(path: Path, name: str | None = None):

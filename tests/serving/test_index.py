@@ -212,3 +212,22 @@ def test_index_source_builds_then_appends(served, image_root, tmp_path):
     )
     assert grown.count == 24 and model.rows == 14
     assert CatalogueIndex.load(tmp_path / "index").count == 24
+
+
+def test_a_gpu_faiss_cannot_use_falls_back_to_the_cpu(monkeypatch, caplog):
+    # faiss-cpu here: told it sees a GPU, moving an index there fails (no GPU classes); building and searching
+    # must then run on the CPU with a warning, and give exactly the CPU results.
+    import faiss
+
+    x = clustered(3000)
+    cfg = IndexConfig(type="ivf_flat", min_rows_approx=0, nlist=32, nprobe=4)
+    cpu = CatalogueIndex.build(x, ids_for(3000), cfg)
+    monkeypatch.setattr(faiss, "get_num_gpus", lambda: 1)
+    with caplog.at_level(logging.WARNING, logger="xbn.serving.index"):
+        fallback = CatalogueIndex.build(x, ids_for(3000), cfg)
+        scores, rows = fallback.search(x[:50], 10)
+    assert "cannot use them for IndexIVFFlat" in caplog.text and "staying on the CPU" in caplog.text
+    expected_scores, expected_rows = cpu.search(x[:50], 10)
+    np.testing.assert_array_equal(rows, expected_rows)
+    np.testing.assert_allclose(scores, expected_scores, rtol=0, atol=1e-6)
+    assert fallback.meta["recall@10"] == cpu.meta["recall@10"]

@@ -102,9 +102,10 @@ class LocalModelSource:
 
 
 class RegistryModelSource:
-    """The version of `registry` (an `xbn.tracking.Registry`: `name`, `by_alias`, `checkpoint`) that holds
-    `alias`. `fetch_index(version_info, directory) -> index folder` downloads the version's index artifact;
-    it is passed in so that this module needs no MLflow. Files go to `cache_dir/v<version>/`."""
+    """The version of `registry` (an `xbn.tracking.Registry`: `name`, `by_alias`, `get`, `checkpoint`) that
+    holds `alias`, or the fixed version `pinned`. `fetch_index(version_info, directory) -> index folder`
+    downloads the version's index artifact; it is passed in so that this module needs no MLflow. Files go to
+    `cache_dir/v<version>/`."""
 
     def __init__(
         self,
@@ -114,31 +115,42 @@ class RegistryModelSource:
         alias: str = "champion",
         image_size: int | None = None,
         device: str = "cpu",
+        pinned: int | None = None,
     ) -> None:
         self.registry, self.fetch_index, self.cache_dir = registry, fetch_index, Path(cache_dir)
-        self.alias, self.image_size, self.device = alias, image_size, device
+        self.alias, self.image_size, self.device, self.pinned = alias, image_size, device, pinned
+
+    def info(self) -> Any:
+        """The registry's record of the version to serve now; None when the alias is on no version."""
+        return self.registry.get(self.pinned) if self.pinned is not None else self.registry.by_alias(self.alias)
 
     def version(self) -> str | None:
-        info = self.registry.by_alias(self.alias)
+        info = self.info()
         return None if info is None else str(info.version)
 
-    def load(self) -> Loaded:
-        info = self.registry.by_alias(self.alias)
+    def load_model(self) -> tuple[Any, ServedModel]:
+        """(version info, its embedder), without the index (what the batch embedding job needs)."""
+        info = self.info()
         if info is None:
             raise LookupError(f"{self.registry.name} has no version with alias '{self.alias}'")
-        where = self.cache_dir / f"v{info.version}"
-        checkpoint = self.registry.checkpoint(info, where)  # sha256-verified against the tracking store
+        checkpoint = self.registry.checkpoint(info, self._dir(info))  # sha256-verified against the store
         size = self.image_size or checkpoint.image_size
         if size is None:
             raise ValueError(f"{self.registry.name} v{info.version} records no image size: pass image_size")
-        model = load_served_model(checkpoint.path, size, self.device)
+        return info, load_served_model(checkpoint.path, size, self.device)
+
+    def load(self) -> Loaded:
+        info, model = self.load_model()
         return _loaded(
             str(info.version),
             model,
-            CatalogueIndex.load(self.fetch_index(info, where)),
+            CatalogueIndex.load(self.fetch_index(info, self._dir(info))),
             self.registry.name,
-            self.alias,
+            None if self.pinned is not None else self.alias,
         )
+
+    def _dir(self, info: Any) -> Path:
+        return self.cache_dir / f"v{info.version}"
 
 
 def _loaded(version: str, model: ServedModel, index: CatalogueIndex, name: str, alias: str | None) -> Loaded:

@@ -82,16 +82,38 @@ def build_faiss(x: np.ndarray, cfg: IndexConfig, kind: IndexType) -> tuple[faiss
     index = faiss.index_factory(dim, spec, faiss.METRIC_INNER_PRODUCT)
     if kind == "hnsw":
         index.hnsw.efConstruction = cfg.ef_construction  # must be set before the first add
-    if not index.is_trained:
-        index.train(x)
-    index.add(x)
+    # k-means of IVF training is what costs; on a GPU it trains there and comes back to the CPU to be saved.
+    on_gpu = on_gpus(index)
+    if not on_gpu.is_trained:
+        on_gpu.train(x)
+    on_gpu.add(x)
+    if on_gpu is not index:
+        index = faiss.index_gpu_to_cpu(on_gpu)
     set_search_params(index, params)
     return index, params
 
 
+def on_gpus(index: faiss.Index) -> faiss.Index:
+    """A copy of `index` on every GPU when faiss has GPU support and sees a GPU (`faiss.get_num_gpus()`,
+    faiss-gpu: `pip install .[gpu]`), else `index` itself. HNSW has no faiss GPU form and stays on the CPU,
+    as does any index the GPU refuses (e.g. an IVF-PQ code size its kernels lack): logged, never fatal."""
+    if faiss.get_num_gpus() < 1 or "HNSW" in type(index).__name__:
+        return index
+    try:
+        if not hasattr(faiss, "StandardGpuResources"):
+            raise RuntimeError("this faiss build has no GPU classes (faiss-cpu)")
+        return faiss.index_cpu_to_all_gpus(index)
+    except RuntimeError as exc:
+        log.warning("faiss sees %d GPU(s) but cannot use them for %s (%s): staying on the CPU",
+                    faiss.get_num_gpus(), type(index).__name__, exc)
+        return index
+
+
 def set_search_params(index: faiss.Index, params: dict[str, Any]) -> None:
     """Apply the query-time knobs (not all survive faiss's own serialisation, so they are re-applied)."""
-    space = faiss.ParameterSpace()
+    # GpuParameterSpace also sets a CPU index (and each replica of a multi-GPU one).
+    gpu = hasattr(faiss, "GpuParameterSpace") and faiss.get_num_gpus() > 0
+    space = faiss.GpuParameterSpace() if gpu else faiss.ParameterSpace()
     if "nprobe" in params:
         space.set_index_parameter(index, "nprobe", int(params["nprobe"]))
     if "ef_search" in params:
@@ -149,6 +171,7 @@ class CatalogueIndex:
     index: faiss.Index
     ids: pd.DataFrame
     meta: dict[str, Any] = field(default_factory=dict)
+    _searcher: faiss.Index | None = field(default=None, repr=False)  # `index` on the GPUs, made on first use
 
     @classmethod
     def build(
@@ -196,7 +219,10 @@ class CatalogueIndex:
         q = unit_rows(query_emb, "queries")
         if q.shape[1] != self.dim:
             raise IndexMismatch(f"queries have dimension {q.shape[1]}, the index {self.dim}")
-        return self.index.search(q, min(int(k), self.count))
+        if self._searcher is None:  # on-disk lists stay on disk: a GPU copy would load them all
+            self._searcher = self.index if self.meta.get("ondisk") else on_gpus(self.index)
+            set_search_params(self._searcher, self.meta.get("params", {}))
+        return self._searcher.search(q, min(int(k), self.count))
 
     def check_model(self, sha256: str) -> None:
         """Refuse to serve this index with a model other than the one that embedded it."""
@@ -216,6 +242,9 @@ class CatalogueIndex:
         """Add rows whose path is not in the catalogue yet (others, and repeats within `ids`, are skipped);
         returns how many were added. The index keeps its type and trained quantizer: a catalogue that has
         grown far past what it was built from is better rebuilt."""
+        if self.meta.get("ondisk"):
+            raise IndexMismatch("an on-disk index is built from its shards: add a shard and rebuild it "
+                                "(xbn.serving.shards.build_sharded) rather than appending")
         x = unit_rows(embeddings, "embeddings")
         if len(x) != len(ids):
             raise ValueError(f"{len(x)} embeddings but {len(ids)} id rows")
@@ -225,6 +254,7 @@ class CatalogueIndex:
         if keep.any():
             first = self.count
             self.index.add(np.ascontiguousarray(x[keep]))
+            self._searcher = None  # a GPU copy would miss the new rows
             self.ids = pd.concat([self.ids, _id_map(ids[keep], first)], ignore_index=True)
             self.meta["count"] = self.count
         log.info("index: %d row(s) appended, %d already present", int(keep.sum()), int((~keep).sum()))
@@ -269,7 +299,9 @@ class CatalogueIndex:
                     f"{directory / name} is not the file {META_FILE} records (sha256 differs): "
                     "a write was interrupted or the folder was altered; rebuild the index"
                 )
-        index = faiss.read_index(str(directory / INDEX_FILE))
+        # An on-disk index (xbn.serving.shards) memory-maps the .ivfdata beside it, wherever the folder now is.
+        flags = faiss.IO_FLAG_ONDISK_SAME_DIR if meta.get("ondisk") else 0
+        index = faiss.read_index(str(directory / INDEX_FILE), flags)
         set_search_params(index, meta.get("params", {}))
         ids = pd.read_parquet(directory / IDS_FILE)
         if not (index.ntotal == len(ids) == meta["count"]):
