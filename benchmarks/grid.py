@@ -3,6 +3,8 @@ Omniglot (seed 000's Table 2 / Figure 1 form), within a CPU budget.
 
     python -m benchmarks grid [--datasets glyphs omniglot] [--batches 16 64] [--seeds 0 1 2] [--workers 2]
     python -m benchmarks grid --quick          (2 methods, 1 seed, 1 epoch: checks the machinery)
+    python -m benchmarks grid --regime roth|memvir [--quick]   (a seed method in its paper's regime:
+                                                                 benchmarks/regimes.py)
 
 Each run trains through xbn's own API (`xbn.training.fit`, the shipped defaults of params.yaml plus the
 method's and the scale's overrides below, so `memory.start`, the lr step and AXBN's values are the shipped
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RESULTS_DIR, machine_info, markdown_table, write_result
+from benchmarks.regimes import REGIMES
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -123,14 +126,16 @@ def _counts(frame) -> dict[str, dict[str, int]]:
             for s in ("train", "val", "test")}
 
 
-def run_overrides(data: list[str], method: str, batch: int, seed: int, run_dir: Path) -> list[str]:
+def run_overrides(data: list[str], method: list[str], batch: int, seed: int, run_dir: Path) -> list[str]:
+    """The run's overrides: the data and scale, the run's own, then the method's (`method`: a regime may turn
+    the embedding-space metrics back on)."""
     return [
-        *data, "memory.size=1.0", *METHODS[method],
+        *data, "memory.size=1.0",
         f"train.batch_size={batch}", f"train.seed={seed}", "train.device=cpu",
         f"train.checkpoint_dir={run_dir / 'models'}", f"train.metrics_dir={run_dir / 'metrics'}",
         "train.log_every=1000", "data.num_workers=0",
         "eval.baseline=false", "eval.embedding_space=false", f"eval.output={run_dir / 'metrics' / 'eval.json'}",
-        "eval.k=[1,2,4,8]", "tracking.enabled=false",
+        "eval.k=[1,2,4,8]", "tracking.enabled=false", *method,
     ]
 
 
@@ -150,25 +155,28 @@ def run_one(overrides: list[str], threads: int, params_file: Path) -> dict[str, 
     train_s = time.perf_counter() - started
     metrics = evaluate(params)
     return {"recall@1": metrics["recall@1"], "map@r": metrics["map@r"], "recall@4": metrics.get("recall@4"),
+            "rho_spectrum": metrics.get("rho_spectrum"),
             "nmi": metrics.get("nmi"), "val_recall@1": summary["best_val_recall@1"],
             "untrained_val_recall@1": summary["untrained_val_recall@1"], "best_epoch": summary["best_epoch"],
             "iterations": summary["iterations"], "memory_rows": summary["memory_rows"],
             "train_s": round(train_s, 1), "loadavg_before": load[0], "loadavg_after": os.getloadavg()[0]}
 
 
-def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Mean and sample std over seeds per (dataset, method, batch)."""
+def aggregate(runs: list[dict[str, Any]], methods: list[str] | None = None) -> list[dict[str, Any]]:
+    """Mean and sample std over seeds per (dataset, method, batch), methods in the order of `methods`."""
     table = []
     keys = sorted({(r["dataset"], r["batch"]) for r in runs})
     for dataset, batch in keys:
-        for method in METHODS:
+        for method in methods or METHODS:
             sel = [r for r in runs if (r["dataset"], r["method"], r["batch"]) == (dataset, method, batch)
                    and "recall@1" in r]
             if not sel:
                 continue
             row: dict[str, Any] = {"dataset": dataset, "method": method, "batch": batch, "seeds": len(sel)}
-            for key in ("recall@1", "map@r", "val_recall@1"):
-                values = [r[key] for r in sel]
+            for key in ("recall@1", "map@r", "val_recall@1", "rho_spectrum"):
+                values = [r[key] for r in sel if r.get(key) is not None]
+                if not values:
+                    continue
                 row[key] = statistics.mean(values)
                 row[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else None
             row["train_s"] = statistics.mean(r["train_s"] for r in sel)
@@ -180,12 +188,16 @@ def render(result: dict[str, Any], dataset: str) -> str:
     def cell(r: dict[str, Any], key: str) -> str:
         return f"{r[key]:.4f} ± {r[key + '_std']:.4f}" if r[key + "_std"] is not None else f"{r[key]:.4f}"
 
+    sel = [r for r in result["table"] if r["dataset"] == dataset]
+    rho = any("rho_spectrum" in r for r in sel)  # Roth et al.'s spectral decay, when the runs measured it
     rows = [[r["method"], r["batch"], r["seeds"], cell(r, "recall@1"), cell(r, "map@r"), cell(r, "val_recall@1"),
-             round(r["train_s"])] for r in result["table"] if r["dataset"] == dataset]
-    return markdown_table(["method", "batch", "seeds", "test R@1", "test MAP@R", "val R@1", "train s"], rows)
+             *([cell(r, "rho_spectrum") if "rho_spectrum" in r else ""] if rho else []), round(r["train_s"])]
+            for r in sel]
+    return markdown_table(["method", "batch", "seeds", "test R@1", "test MAP@R", "val R@1",
+                           *(["rho (train)"] if rho else []), "train s"], rows)
 
 
-def plot(result: dict[str, Any], path: Path) -> Path | None:
+def plot(result: dict[str, Any], path: Path, methods: list[str] | None = None) -> Path | None:
     """Test R@1 against batch size per method, one panel per dataset (seed 000's Figure 1 form)."""
     datasets = sorted({r["dataset"] for r in result["table"]})
     if not datasets:
@@ -199,7 +211,7 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
 
     fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4), squeeze=False)
     for ax, dataset in zip(axes[0], datasets):
-        for method in METHODS:
+        for method in methods or METHODS:
             sel = sorted((r for r in result["table"] if r["dataset"] == dataset and r["method"] == method),
                          key=lambda r: r["batch"])
             if sel:
@@ -222,13 +234,15 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--datasets", nargs="+", choices=list(DATASETS), default=["glyphs", "omniglot"])
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(GRID_METHODS))
-    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--methods", nargs="+", help=f"default: {' '.join(GRID_METHODS)} (a regime's: all its own)")
+    parser.add_argument("--batches", type=int, nargs="+", help="default: 16 64 (a regime's: its own)")
+    parser.add_argument("--regime", choices=list(REGIMES), help="a seed method in its paper's regime "
+                        "(benchmarks/regimes.py) instead of the memory methods")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--workers", type=int, default=2, help="runs in parallel (processes)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--resume", action="store_true", help="keep the runs already in the results file")
-    parser.add_argument("--output", default="grid")
+    parser.add_argument("--output", help="results/<output>.json (default: grid, grid_<regime>, +_quick)")
     parser.add_argument("--quick", action="store_true", help="2 methods, 1 seed, 1 epoch, glyphs only")
 
 
@@ -239,9 +253,19 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    regime = REGIMES[args.regime] if args.regime else None
+    table = regime.methods if regime else METHODS
+    output = "grid" + (f"_{args.regime}" if regime else "") + ("_quick" if args.quick else "")
     if args.quick:
-        for key, value in QUICK.items():
+        quick = {**QUICK, "output": None, **({"methods": list(regime.quick_methods), "batches": regime.batches}
+                                              if regime else {})}
+        for key, value in quick.items():
             setattr(args, key, value)
+    args.output = args.output or output
+    args.methods = args.methods or list(table if regime else GRID_METHODS)
+    args.batches = args.batches or (regime.batches if regime else [16, 64])
+    if unknown := [m for m in args.methods if m not in table]:
+        parser.error(f"--methods: unknown {', '.join(unknown)} (choose from {', '.join(table)})")
     path = RESULTS_DIR / f"{args.output}.json"
     old = json.loads(path.read_text()) if args.resume and path.exists() else {}
     result: dict[str, Any] = {
@@ -253,7 +277,9 @@ def main(argv: list[str]) -> int:
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(PACKAGES),
         "settings": {**{k: getattr(args, k) for k in ("datasets", "methods", "batches", "seeds", "workers",
-                                                     "threads")},
+                                                     "threads", "regime", "quick")},
+                     "regime": {"about": regime.about, "methods": {m: table[m] for m in args.methods}}
+                     if regime else None,
                      "scale": SCALE, "datasets_spec": {d: DATASETS[d] for d in args.datasets},
                      "backbone": "tf_efficientnet_lite0 (offline ImageNet weights), memory.size=1.0"},
         "data": {}, "table": [],
@@ -283,8 +309,10 @@ def main(argv: list[str]) -> int:
                         if (dataset, method, batch, seed) in done:
                             continue
                         run_dir = work / "runs" / f"{dataset}_{method.replace('*', 'star')}_b{batch}_s{seed}"
+                        steps = info["splits"]["train"]["images"] // batch  # the sampler's epoch, about
+                        overrides = regime.overrides(method, steps, args.quick) if regime else METHODS[method]
                         jobs.append(({"dataset": dataset, "method": method, "batch": batch, "seed": seed},
-                                     run_overrides(data, method, batch, seed, run_dir)))
+                                     run_overrides(data, overrides, batch, seed, run_dir)))
         print(f"grid: {len(jobs)} runs on {args.workers} worker(s) x {args.threads} thread(s)", flush=True)
         context = multiprocessing.get_context("spawn")
         with futures.ProcessPoolExecutor(args.workers, mp_context=context) as pool:
@@ -296,14 +324,14 @@ def main(argv: list[str]) -> int:
                 except Exception as exc:  # one failed configuration must not lose the others
                     run = {**key, "error": f"{type(exc).__name__}: {exc}"}
                 result["runs"].append(run)
-                result["table"] = aggregate(result["runs"])
+                result["table"] = aggregate(result["runs"], args.methods)
                 result["elapsed_s"] = round(time.perf_counter() - started, 1)
                 result["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
                 write_result(args.output, result)
                 shown = {k: run[k] for k in ("recall@1", "val_recall@1", "train_s", "error") if k in run}
                 print(f"[{i}/{len(jobs)}] {key}: {shown}", flush=True)
     result["machine"]["git_commit_end"] = machine_info()["git_commit"]
-    result["plot"] = str(plot(result, DOCS / f"{args.output}_recall.png"))
+    result["plot"] = str(plot(result, DOCS / f"{args.output}_recall.png", args.methods))
     write_result(args.output, result)
     for dataset in result["data"]:
         print(f"\n{dataset}\n{render(result, dataset)}")

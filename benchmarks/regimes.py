@@ -1,0 +1,87 @@
+"""Each seed method in the regime its paper studied, against that paper's own baseline (issue 18, item 5), run
+by the grid (`benchmarks/grid.py`: the same data, seeds, workers and results file format):
+
+    python -m benchmarks grid --regime roth   [--quick] [--datasets ...] [--seeds ...]
+    python -m benchmarks grid --regime memvir [--quick] [--datasets ...] [--seeds ...]
+
+- `roth` (Roth et al. 2020, seed 003): no memory, the margin loss (beta 1.2, margin 0.2) with
+  distance-weighted mining and SPC-2 batches as the baseline (`margin`); each sampler, miner and rho
+  (p_switch 0.35, inside the paper's 0.3-0.4) changes one thing of it. The grid's scale (1 + 8 epochs, the lr
+  stepped every 3) is kept; the embedding-space metrics are on, so rho_spectrum is reported too.
+- `memvir` (Ko et al. 2021, seed 002): NormSoftmax at a constant lr (`normsoftmax`) against the same run
+  with MemVir (`memvir`): 1 + 40 epochs for both, MemVir joining after 20 (the baseline's convergence: the
+  paper adds MemVir to a converged model), M = 10 and N scaled so that the curriculum's N(M+1) steps take
+  about 12 epochs (the paper's N = 45 when an epoch has 110 steps or more; see `MemVirConfig`).
+
+`--quick` shrinks a regime to two methods, one seed, the glyphs and a couple of epochs (under 2 minutes on
+the 2-core CPU machine): it checks the machinery, its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ROTH_BASE = [
+    "memory.method=none", "loss.name=MarginLoss", "loss.params={margin: 0.2, beta: 1.2, nu: 0.0}",
+    "loss.miner=DistanceWeightedMiner", "loss.miner_params={cutoff: 0.5, nonzero_loss_cutoff: 1.4}",
+    "train.samples_per_class=2", "eval.embedding_space=true",
+]
+MEMVIR_BASE = [
+    "memory.method=none", "loss.name=NormalizedSoftmaxLoss", "loss.params={}", "loss.miner=null",
+    "train.lr_gamma=1", "train.warmup_epochs=1", "train.epochs=40",
+]
+MEMVIR_WARMUP_EPOCHS = 20
+MEMVIR_STEP_GAP = 10
+MEMVIR_CURRICULUM_EPOCHS = 12  # epochs over which the virtual steps climb to N
+MEMVIR_PAPER_STEPS = 45
+
+
+@dataclass(frozen=True)
+class Regime:
+    about: str
+    methods: dict[str, list[str]]  # name -> overrides after the grid's data/scale ones
+    batches: list[int]
+    quick_methods: tuple[str, ...]
+    quick: list[str] = field(default_factory=list)  # overrides added to every run under --quick
+
+    def overrides(self, method: str, steps_per_epoch: int, quick: bool) -> list[str]:
+        extra = memvir_steps(steps_per_epoch, quick) if method == "memvir" else []
+        return [*self.methods[method], *extra, *(self.quick if quick else [])]
+
+
+def memvir_steps(steps_per_epoch: int, quick: bool) -> list[str]:
+    """MemVir's N, M and warm-up: N such that the N(M+1)-step curriculum spans ~MEMVIR_CURRICULUM_EPOCHS."""
+    if quick:
+        return ["loss.memvir.warmup_epochs=0.5", "loss.memvir.num_steps=2", "loss.memvir.step_gap=1"]
+    n = round(MEMVIR_CURRICULUM_EPOCHS * steps_per_epoch / (MEMVIR_STEP_GAP + 1))
+    return [f"loss.memvir.warmup_epochs={MEMVIR_WARMUP_EPOCHS}", f"loss.memvir.step_gap={MEMVIR_STEP_GAP}",
+            f"loss.memvir.num_steps={min(MEMVIR_PAPER_STEPS, max(1, n))}"]
+
+
+REGIMES: dict[str, Regime] = {
+    "roth": Regime(
+        about="Roth et al. 2020: margin loss + distance-weighted mining, SPC-2, no memory",
+        methods={
+            "margin": ROTH_BASE,
+            "rho": [*ROTH_BASE, "loss.rho.p_switch=0.35"],
+            "spc_r": [*ROTH_BASE, "train.sampler.name=spc_r"],
+            "greedy_coreset": [*ROTH_BASE, "train.sampler.name=greedy_coreset"],
+            "ddm": [*ROTH_BASE, "train.sampler.name=ddm"],
+            "frd": [*ROTH_BASE, "train.sampler.name=frd"],
+            "random_miner": [*ROTH_BASE, "loss.miner=RandomTripletMiner", "loss.miner_params={}"],
+            "semihard": [*ROTH_BASE, "loss.miner=TripletMarginMiner",
+                         "loss.miner_params={type_of_triplets: semihard, margin: 0.2}"],
+            "softhard": [*ROTH_BASE, "loss.miner=SoftHardMiner", "loss.miner_params={}"],
+        },
+        batches=[64],
+        quick_methods=("margin", "rho"),
+        quick=["train.warmup_epochs=0", "train.epochs=1"],
+    ),
+    "memvir": Regime(
+        about="Ko et al. 2021: NormSoftmax at a constant lr, MemVir after the baseline's convergence",
+        methods={"normsoftmax": MEMVIR_BASE, "memvir": [*MEMVIR_BASE, "loss.memvir.enabled=true"]},
+        batches=[64],
+        quick_methods=("normsoftmax", "memvir"),
+        quick=["train.warmup_epochs=0", "train.epochs=1"],
+    ),
+}

@@ -1,0 +1,46 @@
+"""benchmarks/regimes.py: each seed method's paper regime loads as valid params (the config checks that MemVir
+and Roth's methods impose pass), and says what the papers say: Roth's methods run without a memory on the
+margin loss with distance-weighted mining and p_switch in 0.3-0.4; MemVir and its NormSoftmax baseline share
+one constant-lr schedule, MemVir joining after the baseline's warm-up, with N scaled to the epoch's steps."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from tests_support import ROOT
+
+from xbn.config import load_params
+
+sys.path.insert(0, str(ROOT))
+from benchmarks.grid import SCALE
+from benchmarks.regimes import REGIMES, memvir_steps
+
+GRID_SCALE = [f"train.epochs={SCALE['epochs']}", f"train.warmup_epochs={SCALE['warmup_epochs']}",
+              f"train.lr_step_epochs={SCALE['lr_step_epochs']}"]
+
+
+@pytest.mark.parametrize("quick", [False, True])
+@pytest.mark.parametrize(("regime", "method"), [(r, m) for r, reg in REGIMES.items() for m in reg.methods])
+def test_every_regime_run_loads_as_valid_params(regime, method, quick):
+    params = load_params(ROOT / "params.yaml", [*GRID_SCALE, *REGIMES[regime].overrides(method, 9, quick)])
+    assert params.memory.method == "none"
+    if regime == "roth":
+        assert params.loss.name == "MarginLoss" and params.train.samples_per_class == 2
+        assert params.eval.embedding_space  # rho_spectrum is reported
+        if method == "rho":
+            assert 0.3 <= params.loss.rho.p_switch <= 0.4
+        if method not in ("random_miner", "semihard", "softhard"):
+            assert params.loss.miner == "DistanceWeightedMiner"
+    else:  # the baseline and MemVir: the same constant-lr schedule, MemVir the only difference
+        assert params.train.lr_gamma == 1 and params.loss.name == "NormalizedSoftmaxLoss"
+        assert params.loss.memvir.enabled == (method == "memvir")
+        assert (params.train.epochs, params.train.warmup_epochs) == ((1, 0) if quick else (40, 1))
+
+
+def test_memvir_curriculum_spans_about_twelve_epochs_up_to_the_papers_n():
+    # 9 steps an epoch (the grid's glyphs at batch 64): N = round(12 x 9 / 11) = 10, the curriculum's
+    # N (M + 1) = 110 steps = 12.2 epochs; 110 steps an epoch or more: the paper's N = 45, M = 10.
+    assert memvir_steps(9, quick=False) == ["loss.memvir.warmup_epochs=20", "loss.memvir.step_gap=10",
+                                            "loss.memvir.num_steps=10"]
+    assert memvir_steps(200, quick=False)[-1] == "loss.memvir.num_steps=45"
