@@ -5,6 +5,7 @@
     python -m benchmarks loader   [--quick]
     python -m benchmarks pipeline [--quick]
     python -m benchmarks grid     [--quick] [--datasets ...] [--batches ...] [--seeds ...] [--workers N]
+    python -m benchmarks grid --regime roth|memvir [--quick]   (a seed method in its paper's regime)
     python -m benchmarks gpu      [--quick]            (CUDA only: records 'not run' otherwise)
     python -m benchmarks methods  [--only ...] [--set ...]  (every method via dvc exp run; about 2 hours)
     python -m benchmarks all      [--quick]            (each of the above with its defaults, then the report)
