@@ -1,4 +1,4 @@
-"""The scheduled retraining flow: validate -> [tune] -> train -> refine -> evaluate -> register/promote.
+"""The scheduled retraining flow: validate -> [tune] -> train -> refine -> evaluate -> register/promote -> index.
 
 Every task calls one function of `xbn.stages`; no stage logic lives here. Transient failures (a service that
 blinked, a killed worker) are retried, and a retried `train` resumes from its last checkpoint; bad data and bad
@@ -118,6 +118,13 @@ def register_model(params: Params) -> dict:
 
 
 @task(**TASK_OPTIONS)
+def index_catalogue(params: Params) -> dict:
+    from xbn.stages.index import index
+
+    return index(params)  # attached to the version just registered: promoting it promotes this index
+
+
+@task(**TASK_OPTIONS)
 def tune_study(params: Params) -> dict:
     from xbn.stages.tune import tune
 
@@ -169,13 +176,14 @@ def _train_to_registry(params: Params, tuned: dict) -> dict:
     refine_embeddings(params)
     metrics = evaluate_model(params)
     decision = register_model(params)
+    catalogue = index_catalogue(params)
     markdown = summary_markdown(params)
     if tuned:
         markdown += f"\n\nTuned by study `{tuned['study']}`: " + ", ".join(
             f"`{k}` = {v:.4g}" if isinstance(v, float) else f"`{k}` = {v}" for k, v in tuned["values"].items())
     create_markdown_artifact(markdown=markdown, key="xbn-retrain-summary",
                              description="what this retraining did: data, memory, metrics, registry decision")
-    return {"metrics": metrics, "decision": decision, "tuned": tuned}
+    return {"metrics": metrics, "decision": decision, "index": catalogue, "tuned": tuned}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,6 +15,7 @@ from xbn.utils.errors import (
     EXIT_FAILURE,
     EXIT_SERVICE,
     NonFiniteLossError,
+    RegistryError,
     ServiceUnavailableError,
 )
 from xbn.utils.logs import configure_logging
@@ -103,6 +104,47 @@ def _stage_tune(params: Params, args) -> dict:
                 apply_to=args.params if args.apply else None)
 
 
+def _stage_index(params: Params, args) -> dict:
+    from xbn.stages.index import index
+
+    return index(params, append=args.append, shards=args.shards)
+
+
+def _search(params: Params, args) -> str:
+    from xbn.data import DatasetError
+    from xbn.serving.search import format_json, format_table
+    from xbn.stages.serve import search
+
+    results, loaded = search(params, args.images, args.k, version=args.model_version, local=args.local)
+    about = f"{loaded.name} v{loaded.version}{f' ({loaded.alias})' if loaded.alias else ''}"
+    text = format_json(results) if args.json else f"{about}, index of {loaded.index.count}\n\n" + \
+        format_table(results)
+    failed = [r["query"] for r in results if "error" in r]
+    if failed:  # every image that could be read has answered: print them, then fail naming the others
+        print(text)
+        raise DatasetError(f"{len(failed)} of {len(results)} image(s) could not be read: {', '.join(failed)}")
+    return text
+
+
+def _serve(params: Params, args) -> None:
+    from xbn.stages.serve import serve
+
+    serve(params, args.host, args.port, version=args.model_version, local=args.local)
+
+
+def _embed(params: Params, args) -> dict:
+    from xbn.stages.serve import embed
+
+    return embed(params, args.input, args.output, version=args.model_version, local=args.local,
+                 progress=not args.quiet)
+
+
+def _export(params: Params, args) -> dict:
+    from xbn.stages.export import export
+
+    return export(params, args.format, args.output)
+
+
 def _stage_run(params: Params, args) -> dict:
     """The stages `dvc repro` runs before register, in its order: a validation failure (a `DatasetError`)
     stops here with exit 3, before training."""
@@ -180,6 +222,44 @@ def build_parser() -> argparse.ArgumentParser:
                       help="join the study in tune.storage as one more worker (e.g. from another machine)")
     tune.add_argument("--apply", action="store_true", help="merge the best values into the --params file")
     tune.set_defaults(fn=_stage_tune)
+    index = sub.add_parser("index", parents=[common],
+                           help="faiss index of the catalogue (index.source) with models/model.pt, attached to "
+                                "its registry version")
+    index.add_argument("--append", action="store_true",
+                       help="add only the catalogue images not in the index yet (nothing is re-embedded)")
+    index.add_argument("--shards", nargs="+", default=None, metavar="FILE.parquet",
+                       help="build an on-disk IVF index (index.type ivf_flat|ivf_pq) from `xbn embed` outputs, "
+                            "for a catalogue larger than one machine's memory")
+    index.set_defaults(fn=_stage_index)
+    # Which model serves: the registry's serve.alias (champion) unless a version or the local files are named.
+    which = argparse.ArgumentParser(add_help=False)
+    where = which.add_mutually_exclusive_group()
+    where.add_argument("--model-version", type=_positive_int, default=None, metavar="V",
+                       help="this registry version instead of the champion")
+    where.add_argument("--local", action="store_true",
+                       help="models/model.pt with the index at index.output instead of the registry")
+    search = sub.add_parser("search", parents=[common, which],
+                            help="the catalogue's nearest images to each IMAGE (champion's index by default)")
+    search.add_argument("images", nargs="+", metavar="IMAGE")
+    search.add_argument("--k", type=_positive_int, default=None, help="neighbours per image (serve.default_k)")
+    search.add_argument("--json", action="store_true", help="JSON instead of a table")
+    search.set_defaults(fn=_search)
+    serve = sub.add_parser("serve", parents=[common, which],
+                           help="HTTP endpoint (POST /search, /embed; GET /health) following the champion; "
+                                "token from XBN_SERVE_TOKEN or XBN_SERVE_TOKEN_FILE")
+    serve.add_argument("--host", default=None, help="bind address (serve.host, 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="port (serve.port, 8000)")
+    serve.set_defaults(fn=_serve)
+    embed = sub.add_parser("embed", parents=[common, which],
+                           help="batch embedding job: a folder or manifest CSV -> parquet (resumes after a kill)")
+    embed.add_argument("--input", required=True, metavar="DIR|CSV")
+    embed.add_argument("--output", required=True, metavar="FILE.parquet")
+    embed.set_defaults(fn=_embed)
+    export = sub.add_parser("export", parents=[common],
+                            help="models/model.pt as ONNX (dynamic batch), parity-checked, attached to its version")
+    export.add_argument("--format", choices=["onnx"], default="onnx")
+    export.add_argument("--output", default=None, help="default: models/model.onnx")
+    export.set_defaults(fn=_export)
     return parser
 
 
@@ -210,10 +290,15 @@ def main(argv: list[str] | None = None) -> int:
     except ServiceUnavailableError as exc:  # the tracking store is down: nothing was started
         print(f"xbn {args.command}: {exc}", file=sys.stderr)
         return EXIT_SERVICE
+    except RegistryError as exc:  # nothing to serve (no champion, an unknown version, no index attached)
+        print(f"xbn {args.command}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     except NonFiniteLossError as exc:  # the message names the iteration; the last good checkpoint is kept
         print(f"xbn {args.command}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
-    if isinstance(result, str):
+    if result is None:  # a command that ran until stopped (serve)
+        pass
+    elif isinstance(result, str):
         print(result)
     elif not args.quiet and rank in (None, "0"):  # -q: the result is in the file the stage wrote
         print(json.dumps(result, indent=2, default=str))

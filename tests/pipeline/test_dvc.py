@@ -57,7 +57,7 @@ def test_dvc_repro_end_to_end_then_noop(project, monkeypatch):
 
     path, env = project
     out = run(["dvc", "repro"], path, env)
-    for stage in ("generate", "prepare", "validate", "train", "refine", "evaluate", "register"):
+    for stage in ("generate", "prepare", "validate", "train", "refine", "evaluate", "register", "index"):
         assert f"Running stage '{stage}'" in out, stage
     metrics = json.loads((path / "metrics/eval.json").read_text())
     assert "map@r" in metrics
@@ -67,6 +67,8 @@ def test_dvc_repro_end_to_end_then_noop(project, monkeypatch):
     decision = json.loads((path / "reports/registry.json").read_text())
     assert decision["alias"] == "champion" and decision["decision"] == "promoted"  # the first model
     assert json.loads((path / "reports/validation.json").read_text())["success"] is True
+    index = json.loads((path / "metrics/index.json").read_text())  # flat: exact, so recall@10 is 1
+    assert index["version"] == decision["version"] and index["recall@10"] == 1.0 and index["count"] > 0
 
     again = run(["dvc", "repro"], path, env)
     assert "Running stage" not in again and "up to date" in again

@@ -34,6 +34,8 @@ def test_retrain_flow_registers_then_gate_holds_back_a_challenger(prefect_harnes
 
     first = retrain("params.yaml", overrides)
     assert first["decision"]["decision"] == "promoted" and first["decision"]["alias"] == "champion"
+    # The catalogue index is attached to the version just registered (so the champion serves it).
+    assert first["index"]["version"] == first["decision"]["version"] and first["index"]["recall@10"] == 1.0
     from xbn.config import load_params
 
     # The registered model's test R@1, recomputed by brute force from models/model.pt.

@@ -31,6 +31,7 @@ from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.tracking import MlflowClient
 
 from xbn.config import Params
+from xbn.tracking.fingerprints import file_digest
 from xbn.tracking.integrity import IntegrityError, verify_file
 from xbn.tracking.locks import DEFAULT_TIMEOUT_S, registry_lock
 from xbn.tracking.pyfunc import CHECKPOINT_ARTIFACT
@@ -61,6 +62,14 @@ class ModelVersionInfo:
 
 SERVED_TAG = "served_embedding"  # plain | refined (seed 001's context refiner on top of the embedder)
 SHA_TAG = "model_sha256"  # the checkpoint's sha256, recorded in the tracking store with the version
+# What serves the version, logged on its logged model after registration (stage `index`, `xbn export`): the
+# catalogue index folder under `index/` and the ONNX file under `onnx/`. Their sha256 go to version tags, kept in
+# the tracking store like SHA_TAG, so a download is checked against a record the artifact store cannot alter.
+INDEX_ARTIFACT, ONNX_ARTIFACT = "index", "onnx"
+INDEX_SHA_TAG = "index_sha256"  # of the folder's index.json, which names the sha256 of the other files
+INDEX_META = "index.json"
+INDEX_RECALL_TAG = "index_recall_at_10"  # the index's recall@10 against exact search
+ONNX_SHA_TAG = "onnx_sha256"
 
 
 @dataclass(frozen=True)
@@ -174,6 +183,40 @@ class Registry:
         verify_file(path, expected, what=f"the checkpoint of {self.name} v{version.version}")
         size = (info.metadata or {}).get("image_size")
         return RegisteredCheckpoint(path, int(size) if size else None)
+
+    def log_index(self, version: ModelVersionInfo, directory: str | Path, recall: float) -> None:
+        """Attach the catalogue index folder `directory` (its `index.json` names the other files' sha256) to
+        `version`, so that moving an alias to the version moves its index with it; a later call (an appended
+        index) replaces it. The tags are set after the upload: a reader never finds a tag without its files."""
+        directory = Path(directory)
+        digest = file_digest(directory / INDEX_META)
+        self.client.log_model_artifacts(self._logged_model(version), str(directory), INDEX_ARTIFACT)
+        self.set_tags(version.version, {INDEX_SHA_TAG: digest, INDEX_RECALL_TAG: f"{recall:.4f}"})
+
+    def fetch_index(self, version: ModelVersionInfo, dst_dir: str | Path) -> Path:
+        """Download `version`'s index folder into `dst_dir/index` and verify its `index.json` against the tag
+        (the loader then checks the other files against `index.json`); what `RegistryModelSource` calls."""
+        expected = version.tags.get(INDEX_SHA_TAG)
+        if not expected:
+            raise LookupError(f"{self.name} v{version.version} has no catalogue index: run `xbn index` with "
+                              f"its model (models/model.pt of that version) to build and attach one")
+        path = Path(mlflow.artifacts.download_artifacts(
+            artifact_uri=f"models:/{self.name}/{version.version}/{INDEX_ARTIFACT}", dst_path=str(dst_dir),
+            tracking_uri=self.uri))
+        verify_file(path / INDEX_META, expected, what=f"the index of {self.name} v{version.version}")
+        return path
+
+    def log_onnx(self, version: ModelVersionInfo, path: str | Path) -> None:
+        """Attach the ONNX export of `version`'s embedder (under `onnx/`), its sha256 as a version tag."""
+        self.client.log_model_artifact(self._logged_model(version), str(path), ONNX_ARTIFACT)
+        self.set_tags(version.version, {ONNX_SHA_TAG: file_digest(path)})
+
+    def _logged_model(self, version: ModelVersionInfo) -> str:
+        model_id = _model_id(version.source)
+        if model_id is None:
+            raise ValueError(f"{self.name} v{version.version} is not backed by a logged model "
+                             f"({version.source}): no place to attach its files")
+        return model_id
 
     def set_tags(self, version: int, tags: Mapping[str, Any]) -> None:
         for key, value in tags.items():

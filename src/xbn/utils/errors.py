@@ -14,3 +14,8 @@ class ServiceUnavailableError(ConnectionError):
 class NonFiniteLossError(RuntimeError):
     """The loss, a gain or a memory statistic became NaN/inf: training stops (the message names the iteration),
     the last good checkpoint is kept."""
+
+
+class RegistryError(ValueError):
+    """A registry action that cannot be done as asked (a rollback with nothing to restore, an unknown version);
+    the message says why and what to do instead. A ValueError: it is a wrong request, not a broken store."""
