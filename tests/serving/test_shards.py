@@ -3,6 +3,7 @@ the in-memory index, its lists live in the memory-mapped .ivfdata, and the folde
 
 from __future__ import annotations
 
+import json
 import shutil
 from itertools import pairwise
 
@@ -82,3 +83,28 @@ def test_recall_streamed_over_the_shards_equals_recall_in_memory(shards, tmp_pat
 def test_only_ivf_types_go_on_disk(shards, tmp_path):
     with pytest.raises(ValueError, match="on-disk index is IVF"):
         build_sharded(shards[1], tmp_path / "index", IndexConfig(type="hnsw"))
+
+
+def test_xbn_index_shards_builds_the_on_disk_index_at_index_output(shards, tmp_path, monkeypatch, capsys):
+    from xbn.cli import main
+
+    _, files = shards
+    for f in files:  # as `xbn embed` records it: the model that embedded the shard
+        table = pq.read_table(f)
+        pq.write_table(table.replace_schema_metadata(
+            {**table.schema.metadata, b"xbn.model_sha256": b"ab" * 32}), f)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text("{}\n")  # every default but what --set says
+    args = ["index", "--shards", *map(str, files), "--set", "tracking.enabled=false", "--set",
+            "index.type=ivf_flat", "--set", "index.nlist=16", "--set", "index.nprobe=16"]
+    assert main(args) == 0
+    report = json.loads((tmp_path / "metrics/index.json").read_text())
+    assert (report["ondisk"], report["count"], report["recall@10"], report["model_sha256"]) == (
+        True, 2000, 1.0, "ab" * 32)
+    assert (tmp_path / "models/index" / IVFDATA_FILE).exists()
+
+    other = pq.read_table(files[0])
+    pq.write_table(other.replace_schema_metadata({**other.schema.metadata, b"xbn.model_sha256": b"cd" * 32}),
+                   files[0])
+    with pytest.raises(ValueError, match="2 different models"):
+        main(args)
