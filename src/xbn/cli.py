@@ -14,6 +14,7 @@ from xbn.utils.errors import (
     EXIT_DATA,
     EXIT_FAILURE,
     EXIT_SERVICE,
+    IntegrityError,
     NonFiniteLossError,
     RegistryError,
     ServiceUnavailableError,
@@ -284,13 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # a check that needs more than the schema (e.g. a tune.space bound)
         print(f"xbn {args.command}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    except (DatasetError, FileNotFoundError, FileExistsError) as exc:  # FileExistsError: data.root not ours
+    # FileExistsError: data.root not ours; IntegrityError: a model file is not the one written or registered
+    except (DatasetError, FileNotFoundError, FileExistsError, IntegrityError) as exc:
         print(f"xbn {args.command}: {exc}", file=sys.stderr)
         return EXIT_DATA
     except ServiceUnavailableError as exc:  # the tracking store is down: nothing was started
         print(f"xbn {args.command}: {exc}", file=sys.stderr)
         return EXIT_SERVICE
-    except RegistryError as exc:  # nothing to serve (no champion, an unknown version, no index attached)
+    except RegistryError as exc:  # nothing to serve or to roll back to, an unknown version, no index attached
         print(f"xbn {args.command}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except NonFiniteLossError as exc:  # the message names the iteration; the last good checkpoint is kept

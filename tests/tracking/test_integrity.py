@@ -1,17 +1,26 @@
-"""Untrusted artifacts: a registered checkpoint altered in the artifact store is refused at load time."""
+"""Untrusted artifacts: a registered checkpoint altered in the artifact store is refused at load time (checked
+against the version's tag in the tracking store), and a local models/model.pt altered after training is refused
+by every stage that loads it (checked against its sidecar)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import mlflow
 import numpy as np
 import pytest
+import yaml
 
-from xbn.tracking import file_digest
-from xbn.tracking.integrity import IntegrityError, verify_file
+from xbn.cli import main
+from xbn.models import load_embedder
+from xbn.stages.register import register
+from xbn.tracking import Registry, file_digest
+from xbn.utils.errors import EXIT_DATA
+from xbn.utils.errors import IntegrityError
+from xbn.utils.integrity import verify_file
 
-from .helpers import run_pipeline
+from .helpers import run_pipeline, write_eval, write_model
 
 
 def _stored_checkpoints(root: Path) -> list[Path]:
@@ -59,3 +68,55 @@ def test_verify_file_accepts_the_recorded_hash_only(tmp_path):
     assert verify_file(path, digest.upper()) == digest
     with pytest.raises(IntegrityError, match=rf"{path}.*{file_digest(path)}.*{'0' * 64}"):
         verify_file(path, "0" * 64)
+
+
+def test_a_registry_load_trusts_the_version_tag_not_the_artifacts_own_record(params, tmp_path):
+    # Whoever can write the artifact store can edit the file and the hash its MLmodel records, both; the
+    # version's model_sha256 tag lives in the tracking store and still holds the registered bytes' hash.
+    report = run_pipeline(params, seed=0)
+    registered = file_digest("models/model.pt")
+    [stored] = _stored_checkpoints(tmp_path)
+    stored.write_bytes(stored.read_bytes() + b"\0")
+    tampered = file_digest(stored)
+    mlmodel = stored.parents[1] / "MLmodel"
+    text = mlmodel.read_text()
+    assert f"checkpoint_sha256: {registered}" in text
+    mlmodel.write_text(text.replace(registered, tampered))
+
+    name = params.registry.model_name
+    with pytest.raises(IntegrityError) as caught:
+        mlflow.pyfunc.load_model(f"models:/{name}@champion")
+    message = str(caught.value)
+    assert f"the checkpoint of {name} v{report['version']}" in message and str(stored.name) in message
+    assert f"its sha256 is {tampered} but {registered} was recorded when it was registered" in message
+    registry = Registry(params)
+    with pytest.raises(IntegrityError, match=f"{tampered} but {registered}"):
+        registry.checkpoint(registry.get(report["version"]), tmp_path / "download")
+
+
+def test_a_flipped_byte_in_model_pt_is_refused_by_evaluate_and_register_naming_the_file(params, capsys, caplog):
+    write_model(params, seed=0)
+    model = Path("models/model.pt")
+    sidecar = Path("models/model.pt.sha256")
+    written = file_digest(model)
+    assert sidecar.read_text() == f"{written}  model.pt\n"  # `sha256sum -c models/model.pt.sha256` format
+    load_embedder(model)  # as written: loads
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    model.write_bytes(bytes(data))
+
+    Path("params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json")))
+    assert main(["evaluate"]) == EXIT_DATA
+    err = capsys.readouterr().err
+    assert err.startswith(f"xbn evaluate: refusing to load checkpoint {model}: its sha256 is {file_digest(model)} "
+                          f"but {written} is recorded in {sidecar}") and "Traceback" not in err
+    write_eval(params)
+    with pytest.raises(IntegrityError, match=str(model)):
+        register(params)  # never registers bytes other than those training wrote
+
+    # A checkpoint from before sidecars: loads, with a warning naming it.
+    write_model(params, seed=1)
+    sidecar.unlink()
+    with caplog.at_level(logging.WARNING, logger="xbn.utils.integrity"):
+        load_embedder(model)
+    assert f"{model} has no model.pt.sha256 sidecar" in caplog.text

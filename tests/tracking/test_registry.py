@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from xbn.stages.register import promote, register, review, rollback
 from xbn.tracking import Registry, log_evaluation, log_model, pipeline_run
+from xbn.utils.errors import RegistryError
 
 from .helpers import METRICS, VAL_QUERIES, run_pipeline, write_eval, write_manifest, write_model
 
@@ -173,7 +174,7 @@ def test_promote_and_rollback_round_trip(params):
     tags = versions(params)
     assert tags[2].tags["decision"] == "rolled_back" and tags[2].tags["decided_by"] == "tester"
     assert tags[1].tags["reason"] == "rollback of v2: latency regression"
-    with pytest.raises(ValueError, match="no previous champion"):
+    with pytest.raises(RegistryError, match="nothing to roll back to: v1 is the first champion"):
         rollback(params, "once more")
     with pytest.raises(ValueError, match="reason"):
         promote(params, 2, " ")

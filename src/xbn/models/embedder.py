@@ -16,6 +16,7 @@ from torch import nn
 
 from xbn.config import ModelConfig
 from xbn.models.backbone import create_backbone, load_state_dict_strict
+from xbn.utils.integrity import remove_sidecar, verify_sidecar, write_sidecar
 from xbn.utils.io import save_torch
 
 CHECKPOINT_FORMAT = "xbn-embedder/1"
@@ -82,7 +83,8 @@ def save_embedder(
     data_config: dict[str, Any],
     extra: dict[str, Any] | None = None,
 ) -> None:
-    """Write the trained embedder atomically, as plain types and tensors only (loadable with weights_only)."""
+    """Write the trained embedder atomically, as plain types and tensors only (loadable with weights_only), then
+    its sha256 sidecar `<path>.sha256`, which `load_embedder` checks."""
     checkpoint: dict[str, Any] = {
         "format": CHECKPOINT_FORMAT,
         "model": model_cfg.model_dump(),
@@ -94,17 +96,25 @@ def save_embedder(
         raise ValueError(f"extra keys {clash} would overwrite the checkpoint's own entries")
     checkpoint.update(extra)
     _check_plain(checkpoint, "checkpoint")
+    remove_sidecar(path)
     save_torch(path, checkpoint)
+    write_sidecar(path)
 
 
 def load_embedder(
-    path: str | Path, map_location: str | torch.device = "cpu"
+    path: str | Path, map_location: str | torch.device = "cpu", verify: bool = True
 ) -> tuple[Embedder, dict[str, Any], dict[str, Any]]:
     """Rebuild a saved embedder (in eval mode), its data config and the whole checkpoint dict.
+
+    `verify`: check the file against its sidecar sha256 before torch.load reads it (`IntegrityError` naming the
+    file on a mismatch; no sidecar: a warning). False only where the caller has just verified it against another
+    record (a registry version's tag).
 
     The backbone is built without pretrained weights: the checkpoint holds all of them, so loading needs
     neither the offline-weights package nor the network.
     """
+    if verify:
+        verify_sidecar(path)
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=True)
     except OSError:

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from xbn.config import Params, RegistryConfig, flatten
 from xbn.stages.promotion import CHAMPION, GATE, Comparison, Decision, report_metrics
 from xbn.tracking import ModelVersionInfo, PipelineRun, run_summary
+from xbn.tracking.history import ChampionChange
 from xbn.tracking.runs import metric_key
 from xbn.tracking.services import mask_secrets
 
@@ -67,6 +68,15 @@ def review_table(params: Params, champion: ModelVersionInfo | None, other: Model
         if info is not None and info.tags.get("reason"):
             lines.append(f"{title} v{info.version} reason: {info.tags['reason']}")
     return "\n".join(lines)
+
+
+def history_lines(history: Sequence[ChampionChange], newest: int) -> str:
+    """The champion's history for `review`: the `newest` entries, newest first, one line each."""
+    if not history:
+        return "champion history: none recorded (promotions before xbn kept one are not in it)"
+    shown = list(reversed(history))[:newest]
+    more = f", {len(history) - len(shown)} older not shown" if len(history) > len(shown) else ""
+    return "\n".join([f"champion history (newest first{more}):", *(e.line() for e in shown)])
 
 
 def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersionInfo | None,

@@ -35,7 +35,8 @@ import numpy as np
 from xbn.config import Params, RegistryConfig
 from xbn.evaluation.bootstrap import paired_bootstrap
 from xbn.tracking import ModelVersionInfo, Registry
-from xbn.tracking.integrity import IntegrityError
+from xbn.tracking.history import ChampionChange, append_history
+from xbn.utils.errors import IntegrityError, RegistryError
 from xbn.tracking.registry import SHA_TAG
 
 log = logging.getLogger(__name__)
@@ -258,12 +259,42 @@ def _signed(value: float) -> str:
     return f"{value + 0.0:+.4f}"  # + 0.0 turns -0.0 into 0.0
 
 
-def make_champion(registry: Registry, version: int, champion: ModelVersionInfo | None) -> None:
-    """Move `champion` to `version` (under the caller's registry lock), recording the champion it replaces;
-    a challenger that becomes champion loses the `challenger` alias."""
-    if champion is not None and champion.version != version:
-        registry.set_tags(version, {"previous_champion": champion.version})
+def make_champion(registry: Registry, version: int, champion: ModelVersionInfo | None, *, by: str, action: str,
+                  reason: str) -> None:
+    """Move `champion` to `version` (under the caller's registry lock): the move is appended to the champion's
+    history first (`xbn.tracking.history`, what rollback walks), then the alias moves; the version also records
+    the champion it replaced (tag `previous_champion`, for a reviewer; never read to decide). A challenger that
+    becomes champion loses the `challenger` alias."""
+    before = champion.version if champion is not None else None
+    append_history(registry, by=by, action=action, from_version=before, to_version=version, reason=reason)
+    if before is not None and before != version:
+        registry.set_tags(version, {"previous_champion": before})
     registry.set_alias(CHAMPION, version)
     challenger = registry.by_alias(CHALLENGER)
     if challenger is not None and challenger.version == version:  # it is no longer a challenger
         registry.remove_alias(CHALLENGER)
+
+
+def rollback_target(history: list[ChampionChange], champion: int | None, model_name: str) -> ChampionChange:
+    """The history entry a rollback reverts: the last move to a champion that no later rollback undid. Its
+    `from_version` is what the rollback restores, so v1 stays reachable after v2 -> v3 -> rollback -> rollback
+    whatever order concurrent promotions took. Raises `RegistryError` (exit 1) when there is nothing to restore,
+    or when the alias was moved outside xbn (the log's last champion is not the current one)."""
+    undone = {e.undoes for e in history if e.action == "rollback"}
+    live = [e for e in history if e.action != "rollback" and e.seq not in undone]
+    if champion is None:
+        raise RegistryError(f"{model_name} has no champion to roll back")
+    if not live:
+        raise RegistryError(f"nothing to roll back to: the champion history of {model_name} records no promotion "
+                            f"still in effect (champion v{champion}); promote a version by hand with "
+                            f"`xbn registry promote --version N --reason ...`")
+    last = live[-1]
+    if last.to_version != champion:
+        raise RegistryError(f"the champion alias of {model_name} points at v{champion} but its history's last "
+                            f"promotion made v{last.to_version} champion (#{last.seq}): it was moved outside xbn; "
+                            f"promote the intended version by hand (`xbn registry promote`)")
+    if last.from_version is None:
+        raise RegistryError(f"nothing to roll back to: v{champion} is the first champion of {model_name} "
+                            f"(history #{last.seq}); promote another version by hand with "
+                            f"`xbn registry promote --version N --reason ...`")
+    return last

@@ -10,8 +10,10 @@ data and compared query by query with a paired bootstrap; the first model is pro
 The test split's metrics (`eval.output`) are recorded with the version for reporting only (they never decide a
 promotion): as its logged model's metrics on dataset `test` (and the run's), in the model card and the review
 table.
-A version that becomes champion loses the `challenger` alias and records the champion it replaced as tag
-`previous_champion`, which `rollback` restores. Every decision is written as version tags (`decision`,
+A version that becomes champion loses the `challenger` alias. Every move of `champion` (the gate's, a promote,
+a rollback) is appended to the champion's history, a log in the registry itself (`xbn.tracking.history`), which
+`rollback` walks and `review` shows; the version also records the champion it replaced as tag
+`previous_champion`, for a reviewer scanning versions (never read to decide). Every decision is written as version tags (`decision`,
 `decided_by`, `decided_at`, `reason`) and to `registry.report`; the gate's comparison as the tags
 `<split>_<metric>` (the challenger's primary metric on the gate split) and `gate_interval` (the interval in
 short), in full (JSON) on the logged model (tag `gate`) and in the model card.
@@ -31,20 +33,26 @@ from pathlib import Path
 from typing import Any
 
 from xbn.config import Params
-from xbn.stages.model_card import gate_tags, model_card, review_table
-from xbn.stages.promotion import CHALLENGER, CHAMPION, GATE, Gate, make_champion
+from xbn.stages.model_card import gate_tags, history_lines, model_card, review_table
+from xbn.stages.promotion import CHALLENGER, CHAMPION, GATE, Gate, make_champion, rollback_target
 from xbn.tracking import (
     ModelVersionInfo,
     Registry,
     data_hash,
-    file_digest,
     log_model,
     params_hash,
     pipeline_run,
     scores_of,
+    tracking_uri,
 )
+from xbn.tracking.history import append_history, read_history
+from xbn.tracking.services import check_reachable
 from xbn.tracking.registry import SERVED_TAG, SHA_TAG, log_refiner
+from xbn.utils.errors import RegistryError
+from xbn.utils.integrity import verify_sidecar
 from xbn.utils.io import write_json
+
+REVIEW_HISTORY = 10  # the newest champion-history entries `review` shows
 
 
 def register(params: Params) -> dict:
@@ -67,8 +75,8 @@ def register(params: Params) -> dict:
     if cfg.primary_metric not in metrics:
         raise ValueError(f"registry.primary_metric '{cfg.primary_metric}' is not in {results_file} "
                          f"(it has {', '.join(sorted(metrics))})")
-    sha = file_digest(checkpoint)
-    registry = Registry(params)
+    sha = verify_sidecar(checkpoint)  # the bytes training wrote, before they are registered
+    registry = _registry(params)
     if existing := registry.find_by_tag(SHA_TAG, sha):
         return _write_report(params, registry, existing, compared=None, already_registered=True)
 
@@ -101,7 +109,7 @@ def register(params: Params) -> dict:
             version = registry.create(model_uri, tags).version
             registry.set_alias(CHALLENGER, version)
             if decision.promote:
-                make_champion(registry, version, champion)
+                make_champion(registry, version, champion, by=GATE, action="gate", reason=decision.reason)
         registry.set_description(version, model_card(params, registry.get(version), champion, decision, run))
     return _write_report(params, registry, registry.get(version), compared=champion)
 
@@ -109,31 +117,32 @@ def register(params: Params) -> dict:
 def promote(params: Params, version: int | str, reason: str, user: str | None = None) -> dict:
     """Move `champion` to `version` by hand (the promotion gate does not apply); idempotent."""
     _require_reason(reason)
-    registry = Registry(params)
+    registry = _registry(params)
     with registry.lock():  # the champion read here is still the champion when the alias moves
-        target = registry.get(version)
+        target = _version(registry, version)
         champion = registry.by_alias(CHAMPION)
         if champion is not None and champion.version == target.version:
             return _write_report(params, registry, target, compared=None, decision="unchanged",
                                  reason=f"v{target.version} is already the champion; nothing changed")
-        make_champion(registry, target.version, champion)
-        registry.set_tags(target.version, _stamp("promoted", reason, _user(user)))
+        who = _user(user)
+        make_champion(registry, target.version, champion, by=who, action="promote", reason=reason)
+        registry.set_tags(target.version, _stamp("promoted", reason, who))
     return _write_report(params, registry, registry.get(target.version), compared=champion)
 
 
 def rollback(params: Params, reason: str, user: str | None = None) -> dict:
-    """Restore the champion that the current one replaced (its `previous_champion` tag)."""
+    """Restore the champion before the current one's promotion, as the champion's history records it (entries
+    already rolled back are skipped, so repeated rollbacks walk back to the first champion). Nothing to restore:
+    `RegistryError`."""
     _require_reason(reason)
-    registry = Registry(params)
+    registry = _registry(params)
     with registry.lock():
         champion = registry.by_alias(CHAMPION)
-        if champion is None:
-            raise ValueError(f"{params.registry.model_name} has no champion to roll back")
-        previous = champion.tags.get("previous_champion")
-        if not previous:
-            raise ValueError(f"champion v{champion.version} records no previous champion to roll back to")
-        who = _user(user)
-        registry.set_alias(CHAMPION, int(previous))
+        reverted = rollback_target(read_history(registry), champion and champion.version, registry.name)
+        previous, who = reverted.from_version, _user(user)
+        append_history(registry, by=who, action="rollback", from_version=champion.version, to_version=previous,
+                       reason=reason, undoes=reverted.seq)
+        registry.set_alias(CHAMPION, previous)
         registry.set_tags(champion.version, _stamp("rolled_back", reason, who))
         registry.set_tags(int(previous),
                           _stamp("restored", f"rollback of v{champion.version}: {reason}", who))
@@ -142,16 +151,22 @@ def rollback(params: Params, reason: str, user: str | None = None) -> dict:
 
 # -- helpers -----------------------------------------------------------------------------------------------
 def review(params: Params) -> str:
-    """A side-by-side text table of the champion and the challenger (or, without a challenger, the champion
-    the current one replaced): metrics with differences, hashes, dates and decision tags."""
-    registry = Registry(params)
+    """A side-by-side text table of the champion and the challenger (or, without a challenger, the champion a
+    rollback would restore): metrics with differences, hashes, dates and decision
+    tags; then the newest entries of the champion's history."""
+    registry = _registry(params)
     champion, challenger = registry.by_alias(CHAMPION), registry.by_alias(CHALLENGER)
+    history = read_history(registry)
     other_title = CHALLENGER
-    if challenger is None and champion is not None and champion.tags.get("previous_champion"):
-        challenger, other_title = registry.get(champion.tags["previous_champion"]), "previous champion"
+    if challenger is None and champion is not None:
+        try:  # the champion a rollback would restore
+            previous = rollback_target(history, champion.version, registry.name).from_version
+            challenger, other_title = registry.get(previous), "previous champion"
+        except RegistryError:
+            pass
     if champion is None and challenger is None:
         return f"{params.registry.model_name}: no champion and no challenger registered yet"
-    return review_table(params, champion, challenger, other_title)
+    return review_table(params, champion, challenger, other_title) + "\n" + history_lines(history, REVIEW_HISTORY)
 
 
 def _write_report(params: Params, registry: Registry, info: ModelVersionInfo,
@@ -198,6 +213,20 @@ def _user(user: str | None) -> str:
 
 def _require_reason(reason: str) -> None:
     if not reason or not reason.strip():
-        raise ValueError("a reason is required: it is recorded with the decision")
+        raise RegistryError("a reason is required: it is recorded with the decision")
+
+
+def _registry(params: Params) -> Registry:
+    """The registry, once the tracking store has answered: a store that is down fails in seconds (exit 4),
+    not after minutes of the MLflow client's retries."""
+    check_reachable(tracking_uri(params))
+    return Registry(params)
+
+
+def _version(registry: Registry, version: int | str) -> ModelVersionInfo:
+    try:
+        return registry.get(version)
+    except ValueError as exc:  # no such version, or not a number
+        raise RegistryError(str(exc)) from None
 
 

@@ -23,6 +23,7 @@ CHECKPOINT_ARTIFACT = "checkpoint"
 CHECKPOINT_SHA256 = "checkpoint_sha256"
 # Logged as a "model from code" (MLflow's recommended form): this file defines the model by importing xbn.
 MODEL_CODE = Path(__file__).with_name("_pyfunc_model.py")
+REGISTERED_MODEL_META = "registered_model_meta"  # mlflow.store.artifact.models_artifact_repo writes it
 _REQUIREMENTS = ("torch", "torchvision", "timm", "numpy", "pillow", "pydantic", "mlflow")
 
 
@@ -36,17 +37,22 @@ class EmbedderModel(mlflow.pyfunc.PythonModel):
         import torch
 
         from xbn.models import load_embedder
-        from xbn.tracking.integrity import verify_file
+        from xbn.utils.integrity import verify_file
 
         checkpoint = context.artifacts[CHECKPOINT_ARTIFACT]
-        expected = (context.model_config or {}).get(CHECKPOINT_SHA256)
-        if expected:  # verified before torch.load sees a byte of it
-            verify_file(checkpoint, expected, what="checkpoint")
-        else:  # logged before hashes were recorded
+        # Verified before torch.load sees a byte of it: first against the registered version's tag (kept in the
+        # tracking store, which the artifact store cannot alter), then against the MLmodel's own record.
+        registered = _registered_version(Path(checkpoint).parents[1])
+        if registered is not None:
+            name, version, expected = registered
+            verify_file(checkpoint, expected, what=f"the checkpoint of {name} v{version}")
+        if expected := (context.model_config or {}).get(CHECKPOINT_SHA256):
+            verify_file(checkpoint, expected, what="checkpoint", recorded="is recorded in its MLmodel")
+        elif registered is None:  # logged before hashes were recorded
             logging.getLogger(__name__).warning("%s: no recorded sha256, loading it unverified", checkpoint)
         self._torch = torch
         self._device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self._model, self.data_config, _ = load_embedder(checkpoint, map_location=self._device)
+        self._model, self.data_config, _ = load_embedder(checkpoint, map_location=self._device, verify=False)
 
     def predict(self, context, model_input: np.ndarray, params: dict[str, Any] | None = None) -> np.ndarray:
         torch = self._torch
@@ -60,6 +66,27 @@ class EmbedderModel(mlflow.pyfunc.PythonModel):
                 chunks.append(self._model(batch).float().cpu().numpy())
         dim = self._model.embedding_dim
         return np.concatenate(chunks) if chunks else np.empty((0, dim), dtype=np.float32)
+
+
+def _registered_version(model_dir: Path) -> tuple[str, str, str] | None:
+    """(name, version, its `model_sha256` tag) when the model at `model_dir` was loaded as a registered version
+    (`models:/name/1`, `models:/name@champion`): MLflow's loader writes the version it resolved into
+    `registered_model_meta` on download, and the tag is read from the registry it downloaded from. None for a
+    load by run or path, or a version registered without the tag."""
+    meta = model_dir / REGISTERED_MODEL_META
+    if not meta.is_file():
+        return None
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    from xbn.tracking.registry import SHA_TAG
+
+    found = yaml.safe_load(meta.read_text()) or {}
+    name, version = str(found.get("model_name", "")), str(found.get("model_version", ""))
+    if not name or not version:
+        return None
+    expected = MlflowClient().get_model_version(name, version).tags.get(SHA_TAG)
+    return (name, version, expected) if expected else None
 
 
 def signature(embedding_dim: int) -> ModelSignature:

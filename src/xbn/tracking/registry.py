@@ -32,7 +32,8 @@ from mlflow.tracking import MlflowClient
 
 from xbn.config import Params
 from xbn.tracking.fingerprints import file_digest
-from xbn.tracking.integrity import IntegrityError, verify_file
+from xbn.utils.errors import IntegrityError
+from xbn.utils.integrity import verify_file, write_sidecar
 from xbn.tracking.locks import DEFAULT_TIMEOUT_S, registry_lock
 from xbn.tracking.pyfunc import CHECKPOINT_ARTIFACT
 from xbn.tracking.runs import PipelineRun, configure, metric_key, metric_name
@@ -181,6 +182,7 @@ class Registry:
         path = Path(mlflow.artifacts.download_artifacts(
             artifact_uri=f"{uri}/{relative}", dst_path=str(dst_dir), tracking_uri=self.uri))
         verify_file(path, expected, what=f"the checkpoint of {self.name} v{version.version}")
+        write_sidecar(path)  # the verified bytes: every later load of this copy (`load_embedder`) checks them
         size = (info.metadata or {}).get("image_size")
         return RegisteredCheckpoint(path, int(size) if size else None)
 

@@ -19,3 +19,7 @@ class NonFiniteLossError(RuntimeError):
 class RegistryError(ValueError):
     """A registry action that cannot be done as asked (a rollback with nothing to restore, an unknown version);
     the message says why and what to do instead. A ValueError: it is a wrong request, not a broken store."""
+
+
+class IntegrityError(RuntimeError):
+    """A model file whose sha256 differs from the one recorded for it; the message names the file and both."""
