@@ -57,7 +57,7 @@ def test_training_and_evaluation_skip_and_name_images_that_went_bad(tiny_params,
     trainer = Trainer(params, progress=False)
     trainer.sampler.set_epoch(0)  # which rows the one epoch draws (class-balanced: not every row)
     drawn = {index for batch in trainer.sampler for index, _ in batch}
-    expected = sorted(train_paths[i] for i in {0, 5} & drawn)
+    expected = sorted(train_paths[i] for i in {0, 5} & (drawn | _probed(params, len(train_paths))))
     assert expected, "the epoch draws neither bad image"
     with caplog.at_level(logging.WARNING, logger="xbn.training.trainer"):
         summary = trainer.fit()
@@ -77,3 +77,29 @@ def test_training_and_evaluation_skip_and_name_images_that_went_bad(tiny_params,
     assert metrics["num_queries"] == (manifest["split"] == "test").sum() - 1
     assert metrics["recall@1"] == pytest.approx(recomputed_recall_at_1(params, "test"), abs=1e-12)
     assert Path("plots/retrieval_grid.png").stat().st_size > 0
+
+
+def _probed(params, n: int) -> set[int]:
+    """The training rows (by position in the split) of the drift probe: train.probe_size spread evenly."""
+    return set(np.linspace(0, n - 1, min(params.train.probe_size, n)).astype(int).tolist())
+
+
+def test_an_image_the_probe_cannot_read_is_named_by_manifest_row_and_counted(tiny_params, glyph_root, tmp_path,
+                                                                             caplog):
+    root = tmp_path / "glyphs"
+    shutil.copytree(glyph_root, root)
+    params = tiny_params(f"data.root={root}")
+    prepare(params)
+    manifest = pd.read_csv(params.data.manifest)
+    train = manifest[manifest["split"] == "train"]
+    position = max(_probed(params, len(train)))  # the last probe image: its split index is not its row
+    row, path = train.index[position], train["path"].iloc[position]
+    assert row != position
+    _truncate(root / path)
+    with caplog.at_level(logging.WARNING):
+        trainer = Trainer(params, progress=False)
+    assert f"skipping manifest row {row} ({path})" in caplog.text
+    assert (f"drift probe (train.probe_size): 1 unreadable image(s) left out, manifest row(s) {row}: {path}"
+            in caplog.text)
+    assert len(trainer.probe) == len(_probed(params, len(train))) - 1
+    assert trainer.history.skipped == [path] and trainer.summary()["skipped_images"] == 1

@@ -148,6 +148,23 @@ def test_resume_accepts_keys_that_leave_the_weights_alone(tiny_params, caplog):
     assert "data.num_workers, eval.batch_size, tracking.experiment, train.epochs" in caplog.text
 
 
+def test_resume_past_train_epochs_says_what_happens(tiny_params, caplog):
+    from xbn.utils.io import save_torch
+
+    prepare(tiny_params())
+    done = Trainer(tiny_params(), progress=False)  # a checkpoint 4 epochs in (as train.epochs=3 leaves)
+    done.epoch = 4
+    done.optimizer, done.scheduler = done._optimizer_for(4)  # past the warm-up: the main phase's optimizer
+    save_torch(done.checkpoint_dir / "last.pt", done._state())
+    trainer = Trainer(tiny_params("train.epochs=1"), progress=False)
+    with caplog.at_level("WARNING", logger="xbn.training.trainer"):
+        assert trainer.resume() and trainer.epoch == 4
+    assert (f"{trainer.checkpoint_dir / 'last.pt'} has already completed 4 epochs, past the 2 this run asks for "
+            f"(train.epochs=1 + train.warmup_epochs=1): nothing is trained") in caplog.text
+    assert "set train.epochs to at least 4 to train further" in caplog.text
+    assert trainer.fit()["epochs"] == 4  # and indeed nothing was trained
+
+
 def test_resume_refuses_a_checkpoint_that_does_not_name_its_params(tiny_params):
     from xbn.utils.io import save_torch
 

@@ -45,6 +45,7 @@ class ImageDataset(Dataset):
         self.root = Path(root)
         self.skip_unreadable = skip_unreadable
         self.paths: list[str] = manifest["path"].astype(str).tolist()
+        self.rows: list = manifest.index.tolist()  # the manifest's row labels: what messages name a row by
         self.labels = np.asarray(
             encode_labels(manifest["label"]) if labels is None else labels, dtype=np.int64
         )
@@ -77,7 +78,7 @@ class ImageDataset(Dataset):
         except DatasetError as exc:
             if not self.skip_unreadable:
                 raise
-            log.warning("skipping row %d: %s", index, exc)
+            log.warning("skipping manifest row %s (%s): %s", self.rows[index], self.paths[index], exc)
             return None
         return self.transform(image), int(self.labels[index]), index
 

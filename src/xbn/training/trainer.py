@@ -178,11 +178,16 @@ class Trainer:
         probes = [probe_set[int(i)] for i in probe_idx]
         self.probe = torch.stack([s[0] for s in probes if s is not None])
         self.drift = FeatureDrift()
+        self.history = History()
+        if unreadable := [int(i) for i, s in zip(probe_idx, probes) if s is None]:
+            paths = [probe_set.paths[i] for i in unreadable]
+            log.warning("drift probe (train.probe_size): %d unreadable image(s) left out, manifest row(s) %s: %s",
+                        len(paths), ", ".join(str(probe_set.rows[i]) for i in unreadable), ", ".join(paths))
+            self.history.skipped = sorted(set(paths))  # counted in the summary's skipped_images
 
         self.criterion: Criterion = build_criterion(p, len(train_set), train_labels,
                                                      steps_per_epoch=len(self.sampler)).to(self.device)
         self.has_val = (self.manifest["split"] == "val").any()
-        self.history = History()
         self.epoch = 0  # epochs completed
         self.iteration = 0
         self.throughput = 0.0  # training images per second of the last epoch
@@ -285,8 +290,18 @@ class Trainer:
             self.batches.load_state_dict(state["sampler"])  # the embedded samplers' bank
         h = state["history"]
         self.history = History(h["steps"], h["epochs"], float(h["best_score"]), int(h["best_epoch"]),
-                               list(h.get("skipped", [])))
+                               sorted(set(h.get("skipped", [])) | set(self.history.skipped)))
         log.info("resumed from %s at epoch %d (iteration %d)", path, self.epoch, self.iteration)
+        if self.epoch > self.total_epochs:
+            t = self.params.train
+            log.warning(
+                "%s has already completed %d epochs, past the %d this run asks for (train.epochs=%d + "
+                "train.warmup_epochs=%d): nothing is trained, and %s (best epoch %d) is kept as it is; set "
+                "train.epochs to at least %d to train further", path, self.epoch, self.total_epochs, t.epochs,
+                t.warmup_epochs, self.checkpoint_dir / "model.pt", self.history.best_epoch,
+                self.epoch - t.warmup_epochs + 1)
+        elif self.epoch == self.total_epochs:
+            log.info("%s has completed all %d epochs: nothing left to train", path, self.epoch)
         return True
 
     def _check_params(self, path: Path, state: dict) -> None:
