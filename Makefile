@@ -30,8 +30,9 @@ run: install
 test: install
 	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
 
+# `make bench BENCH_ARGS="--quick --allow-dirty"`: the smoke variants, from a tree with uncommitted changes.
 bench: install
-	$(BIN)/python -m benchmarks all
+	$(BIN)/python -m benchmarks all $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

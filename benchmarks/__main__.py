@@ -11,6 +11,10 @@
     python -m benchmarks all      [--quick]            (each of the above with its defaults, then the report)
     python -m benchmarks report                         (docs/benchmarks.md from the JSON files)
 
+Every result records its provenance (benchmarks/provenance.py: commit, load before and after, UTC dates, the
+command, the machine). A benchmark refuses to run on a tree that differs from its commit unless `--allow-dirty`
+(anywhere on the line), which marks the result `dirty: true`.
+
 Each writes its JSON atomically (`xbn.utils.io.write_json`); `report` renders docs/benchmarks.md from whatever
 results exist, so a benchmark that was not re-run keeps its previous numbers (with their own date and command).
 Options after the name go to that benchmark; `--help` after a name lists them.
@@ -21,10 +25,15 @@ from __future__ import annotations
 import sys
 import traceback
 
+from benchmarks import provenance
+
 NAMES = ("memory", "eval", "loader", "pipeline", "grid", "gpu", "methods")
 
 
-def run(name: str, argv: list[str]) -> None:
+def run(name: str, argv: list[str], allow_dirty: bool = False) -> None:
+    if name != "report":  # the start's commit, load and time; refused here, before any time is spent
+        provenance.begin(["python", "-m", "benchmarks", name, *argv, *(["--allow-dirty"] if allow_dirty else [])],
+                         allow_dirty=allow_dirty)
     if name == "memory":
         from benchmarks import memory_bench
 
@@ -73,20 +82,28 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    name, rest = argv[0], argv[1:]
+    name, rest = argv[0], [a for a in argv[1:] if a != "--allow-dirty"]
+    allow_dirty = "--allow-dirty" in argv
     if name != "all":
-        run(name, rest)
+        try:
+            run(name, rest, allow_dirty)
+        except provenance.DirtyTreeError as err:
+            print(f"benchmarks {name}: {err}", file=sys.stderr)
+            return 2
         return 0
     quick = ["--quick"] if "--quick" in rest else []
     failed = []
     for each in NAMES:
         print(f"== {each}", flush=True)
         try:
-            run(each, list(quick))
+            run(each, list(quick), allow_dirty)
+        except provenance.DirtyTreeError as err:
+            print(f"benchmarks all: {err}", file=sys.stderr)
+            return 2
         except Exception:  # noqa: BLE001 - one benchmark failing must not stop the others
             traceback.print_exc()
             failed.append(each)
-    run("report", [])
+    run("report", [])  # prints each target: met, missed or inconclusive
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -19,6 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from benchmarks import provenance
 from xbn.utils.io import write_json
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -31,22 +32,22 @@ _OOM_MARKERS = ("MemoryError", "can't allocate memory", "Cannot allocate memory"
 
 
 def machine_info(packages: tuple[str, ...] = ()) -> dict[str, Any]:
-    """CPU, core count, RAM, OS, Python and package versions, and the git commit, for a results file."""
-    cpu = platform.processor()
+    """CPU, core count, RAM, OS, Python and package versions, and the git commit, for a results file (the
+    run's provenance, with the load and dates, is added by `write_result`)."""
+    info = provenance.cpu_info()
     try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+        commit, dirty = provenance.git(provenance.REPO, "rev-parse", "HEAD").strip(), bool(provenance.dirty_paths())
+    except (OSError, RuntimeError, subprocess.TimeoutExpired):
+        commit, dirty = None, None
     return {
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
+        "cpu": info["cpu"],
+        "cpus": info["cores"],
         "ram_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB, 1),
         "os": platform.platform(),
         "python": platform.python_version(),
         "packages": {name: _version(name) for name in packages},
-        "git_commit": _git_commit(),
-        "git_dirty": _git_dirty(),  # tracked files differed from the commit: the numbers are not its own
+        "git_commit": commit,
+        "git_dirty": dirty,  # tracked files differed from the commit: the numbers are not its own
     }
 
 
@@ -57,27 +58,11 @@ def _version(name: str) -> str | None:
         return None
 
 
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None
-
-
-def _git_dirty() -> bool | None:
-    try:
-        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                             text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return bool(out.stdout.strip()) if out.returncode == 0 else None
-
-
 def write_result(name: str, data: dict[str, Any]) -> Path:
-    """Write `benchmarks/results/<name>.json` atomically and return its path."""
+    """Write `benchmarks/results/<name>.json` atomically, with the current run's provenance, and return its
+    path."""
     path = RESULTS_DIR / f"{name}.json"
-    write_json(path, data)
+    write_json(path, data | {"provenance": provenance.finish()})
     return path
 
 
@@ -169,7 +154,7 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
             return "—"
         if isinstance(value, float):
             return f"{value:.4g}"
-        return str(value)
+        return str(value).replace("|", "\\|")  # a pipe inside a cell would end it
 
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]

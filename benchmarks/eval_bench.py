@@ -1,6 +1,6 @@
 """Retrieval evaluation at SOP scale: xbn vs pytorch-metric-learning's AccuracyCalculator vs scikit-learn.
 
-    python -m benchmarks.eval_bench [--sizes 10000 60000 120000] [--no-nmi]
+    python -m benchmarks eval [--quick] [--sizes 10000 60000 120000] [--no-nmi]
 
 For each size N: clustered random unit vectors (d = 512, 2 to 8 images per class, 5 on average, like SOP),
 evaluated leave-one-out by each contender in its own child process (time of the computation, peak RSS of
@@ -10,7 +10,14 @@ the process), capped at --mem-limit-gb so that a contender that needs more is re
            then its NMI; precision_at_1 is Recall@1
   sklearn  NearestNeighbors(algorithm="brute") + the metrics from their definitions in numpy; no NMI (a
            scikit-learn KMeans with N/5 clusters is not practical, and would not be the same clustering)
-Metric values are compared with ours where both finished. Writes benchmarks/results/eval.json.
+Metric values are compared with ours where both finished.
+
+The exact search is bound by its matrix products, so the same run measures what this machine's GEMM gives:
+in ours' child, right after its search, a float32 `a @ b.T` of the search's block shape (`BLOCK` x d by
+d x `BLOCK`, torch, the same threads), and `search_fraction_of_gemm` = the FLOPs the symmetric leave-one-out
+search does (`self_search_flops`) / its time / that GEMM rate. Once per run, float32 and bfloat16 GEMMs of one
+smaller shape side by side with the CPU's flags: whether a bfloat16 first pass could pay here.
+Writes benchmarks/results/eval.json.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from benchmarks.common import (
     run_child,
     write_result,
 )
+from benchmarks.verdicts import verdict
 
 CONTENDERS = ("ours", "pml", "sklearn")
 KS = (1, 2, 4, 8, 10, 100)
@@ -44,6 +52,8 @@ KMEANS_SEED = 1234
 # Per-dimension noise around the class centres: Recall@1 ≈ 0.72, MAP@R ≈ 0.39 at 10k (SOP-like), lower
 NOISE = 2.4
 PACKAGES = ("numpy", "faiss-cpu", "torch", "scikit-learn", "pytorch-metric-learning")
+BLOCK = 4096  # retrieval_metrics' chunk_size: the row blocks of the symmetric search
+DTYPE_SHAPE = 1024  # the float32-vs-bfloat16 comparison: small, since bfloat16 without AVX-512 is slow
 
 
 def make_embeddings(n: int, dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -57,6 +67,40 @@ def make_embeddings(n: int, dim: int, seed: int) -> tuple[np.ndarray, np.ndarray
     x += centres[labels]
     x /= np.linalg.norm(x, axis=1, keepdims=True)
     return x, labels
+
+
+def self_search_flops(n: int, dim: int, block: int = BLOCK) -> int:
+    """FLOPs of knn_search's symmetric leave-one-out path: each diagonal block b_i x b_i in full and each block
+    above it once, 2 FLOPs per multiply-add: 2d(sum b_i^2 + sum_{i<j} b_i b_j) = d(n^2 + sum b_i^2)."""
+    sizes = [min(block, n - start) for start in range(0, n, block)]
+    return dim * (n * n + sum(b * b for b in sizes))
+
+
+def gemm_gflops(rows: int, dim: int, dtype: str = "float32", min_seconds: float = 1.0) -> float:
+    """GFLOP/s of torch's `a @ b.T` with a, b [rows, dim] of `dtype`, on this process's torch threads: repeated
+    until `min_seconds` have passed, after one untimed product."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(rows, dim, generator=g).to(getattr(torch, dtype))
+    b = torch.randn(rows, dim, generator=g).to(getattr(torch, dtype))
+    with torch.no_grad():
+        a @ b.T
+        reps, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < min_seconds or reps == 0:
+            a @ b.T
+            reps += 1
+    return 2 * rows * rows * dim * reps / elapsed / 1e9
+
+
+def dtype_comparison(dim: int) -> dict[str, Any]:
+    """float32 and bfloat16 GEMM side by side at one shape, with the threads and CPU capability torch used."""
+    import torch
+
+    return {"shape": [DTYPE_SHAPE, dim, DTYPE_SHAPE], "threads": torch.get_num_threads(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "float32_gflops": round(gemm_gflops(DTYPE_SHAPE, dim, "float32"), 2),
+            "bfloat16_gflops": round(gemm_gflops(DTYPE_SHAPE, dim, "bfloat16"), 2)}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -79,7 +123,26 @@ def _run_ours(x: np.ndarray, labels: np.ndarray, nmi: bool) -> dict[str, Any]:
         start = time.perf_counter()
         metrics["nmi"] = nmi_score(x, labels, seed=KMEANS_SEED)
         out["nmi_s"] = time.perf_counter() - start
+    out |= _search_vs_gemm(x, labels)
     return out
+
+
+def _search_vs_gemm(x: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
+    """The search alone (the like-for-like k), then the GEMM of its block shape, back to back."""
+    import torch
+
+    from xbn.evaluation.knn import knn_search
+
+    k = max(1, int(np.bincount(labels).max()) - 1)  # retrieval_metrics' k for ks=(1,): the largest R
+    start = time.perf_counter()
+    knn_search(x, x, k, exclude_self=True, chunk_size=BLOCK)
+    search_s = time.perf_counter() - start
+    flops = self_search_flops(len(x), x.shape[1], BLOCK)
+    gemm = gemm_gflops(min(BLOCK, len(x)), x.shape[1])
+    return {"search_s": search_s, "search_k": k, "search_flops": flops,
+            "search_gflops": round(flops / search_s / 1e9, 2), "gemm_block": min(BLOCK, len(x)),
+            "gemm_float32_gflops": round(gemm, 2), "gemm_threads": torch.get_num_threads(),
+            "search_fraction_of_gemm": round(flops / search_s / 1e9 / gemm, 4)}
 
 
 def _run_pml(x: np.ndarray, labels: np.ndarray, nmi: bool) -> dict[str, Any]:
@@ -200,9 +263,55 @@ def _compare_with_ours(rows: list[dict[str, Any]]) -> None:
         row["compared_keys"] = shared
 
 
+def derive(rows: list[dict[str, Any]]) -> None:
+    """Add each finished contender's time ratio to ours at the same N (`knn_ratio_vs_ours`: the like-for-like
+    kNN metrics, or with R@1..100 for scikit-learn, which computes those; `total_ratio_vs_ours` with NMI)."""
+    by_key = {(r["n"], r["contender"]): r for r in rows}
+    for r in rows:
+        ours = by_key.get((r["n"], "ours"))
+        if r["contender"] == "ours" or not ours or ours["status"] != "ok" or r["status"] != "ok":
+            continue
+        mine = ours.get("knn_all_ks_s", ours["knn_s"]) if r["contender"] == "sklearn" else ours["knn_s"]
+        r["knn_ratio_vs_ours"] = round(r["knn_s"] / mine, 3)
+        if "nmi_s" in r and "nmi_s" in ours:
+            r["total_ratio_vs_ours"] = round(r["total_s"] / ours["total_s"], 3)
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The evaluation's targets, each with its measured value and verdict (single measurements: the interval
+    is the value itself). Speed vs AccuracyCalculator at the largest N where both finished; the search's share
+    of the GEMM rate and the peak memory at the largest N ours finished."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    out = []
+    both = [r for r in ok if r["contender"] == "pml" and "knn_ratio_vs_ours" in r]
+    if both:
+        r = max(both, key=lambda r: r["n"])
+        out.append({"what": "AccuracyCalculator time / ours (kNN metrics)", "n": r["n"],
+                    "value": r["knn_ratio_vs_ours"], "at_least": 3.0})
+    ours = [r for r in ok if r["contender"] == "ours"]
+    if ours:
+        r = max(ours, key=lambda r: r["n"])
+        if "search_fraction_of_gemm" in r:
+            out.append({"what": "search GFLOP/s / float32 GEMM GFLOP/s", "n": r["n"],
+                        "value": r["search_fraction_of_gemm"], "at_least": 0.85})
+        out.append({"what": "ours' peak RSS, GB", "n": r["n"], "value": round(r["peak_rss_gb"], 3),
+                    "at_most": 2.0})
+    for contender in ("pml", "sklearn"):
+        diffs = [r for r in ok if r["contender"] == contender and "max_abs_diff_vs_ours" in r]
+        if diffs:
+            r = max(diffs, key=lambda r: r["max_abs_diff_vs_ours"])
+            out.append({"what": f"largest absolute metric difference, {contender} vs ours", "n": r["n"],
+                        "value": r["max_abs_diff_vs_ours"], "at_most": 1e-9})
+    for t in out:
+        bound = {k: t[k] for k in ("at_most", "at_least") if k in t}
+        t["verdict"] = verdict(t["value"], t["value"], **bound)
+    return out
+
+
 def render(rows: list[dict[str, Any]]) -> str:
     headers = ["N", "contender", "status", "kNN metrics s", "with R@1..100 s", "NMI s", "total s", "peak RSS GB",
-               "baseline RSS GB", "R@1", "MAP@R", "RP", "NMI", "max abs diff vs ours"]
+               "baseline RSS GB", "R@1", "MAP@R", "RP", "NMI", "max abs diff vs ours", "kNN time / ours",
+               "total time / ours"]
     table = []
     for r in rows:
         m = r.get("metrics", {})
@@ -210,21 +319,17 @@ def render(rows: list[dict[str, Any]]) -> str:
                       r.get("total_s"),
                       r["peak_rss_gb"] if r["status"] == "ok" else None, r.get("baseline_rss_gb"),
                       m.get("recall@1"), m.get("map@r"), m.get("r_precision"), m.get("nmi"),
-                      r.get("max_abs_diff_vs_ours")])
-    lines = [markdown_table(headers, table), ""]
-    by_key = {(r["n"], r["contender"]): r for r in rows}
-    for (n, contender), r in by_key.items():
-        ours = by_key.get((n, "ours"))
-        if contender == "ours" or not ours or ours["status"] != "ok" or r["status"] != "ok":
-            continue
-        # sklearn's row computes R@k up to 100 too: it is compared with ours doing the same.
-        mine = ours.get("knn_all_ks_s", ours["knn_s"]) if contender == "sklearn" else ours["knn_s"]
-        ratios = f"kNN metrics {r['knn_s'] / mine:.2f}x"
-        if "nmi_s" in r and "nmi_s" in ours:
-            ratios += f", total {r['total_s'] / ours['total_s']:.2f}x"
-        lines.append(f"- N={n}: {contender} / ours time: {ratios}; peak RSS {r['peak_rss_gb']:.2f} GB vs "
-                     f"{ours['peak_rss_gb']:.2f} GB")
-    return "\n".join(lines)
+                      r.get("max_abs_diff_vs_ours"), r.get("knn_ratio_vs_ours"), r.get("total_ratio_vs_ours")])
+    return markdown_table(headers, table)
+
+
+def render_search(rows: list[dict[str, Any]]) -> str:
+    """Ours' search against the GEMM rate measured right after it."""
+    table = [[r["n"], r["search_k"], r["search_s"], r["search_flops"], r["search_gflops"], r["gemm_block"],
+              r["gemm_threads"], r["gemm_float32_gflops"], r["search_fraction_of_gemm"]]
+             for r in rows if r["contender"] == "ours" and "search_s" in r]
+    return markdown_table(["N", "k", "search s", "FLOPs (d(N^2 + sum b^2))", "search GFLOP/s", "GEMM block",
+                           "threads", "float32 GEMM GFLOP/s", "fraction"], table)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,23 +352,33 @@ def main(argv: list[str] | None = None) -> None:
 
     command = "python -m benchmarks.eval_bench " + " ".join(sys.argv[1:] if argv is None else argv)
     rows: list[dict[str, Any]] = []
+    dtypes = dtype_comparison(args.dim)
+    print(f"GEMM {dtypes['shape']}: float32 {dtypes['float32_gflops']} GFLOP/s, bfloat16 "
+          f"{dtypes['bfloat16_gflops']} GFLOP/s", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="eval_bench_") as tmp:
         for n in args.sizes:
             rows += run_size(n, args, Path(tmp))
+    derive(rows)
     report = render(rows)
     path = write_result(args.output, {
         "benchmark": "retrieval evaluation, leave-one-out, clustered unit vectors",
         "command": command.strip(),
         "machine": machine_info(PACKAGES),
+        "gemm_dtypes": dtypes,
+        "targets": targets(rows),
         "settings": {"dim": args.dim, "images_per_class": "2-8 (mean 5)", "noise": NOISE, "ks": KS,
                      "seed": args.seed, "kmeans_seed": KMEANS_SEED, "nmi": not args.no_nmi,
                      "mem_limit_gb": args.mem_limit_gb, "timeout_s": args.timeout_s},
         "rows": rows,
-        "table": report,
     })
     print(report)
     print(f"\nwritten: {path}")
 
 
 if __name__ == "__main__":
-    main()
+    if "--child" in sys.argv:
+        main()
+    else:
+        from benchmarks.__main__ import main as cli
+
+        sys.exit(cli(["eval", *sys.argv[1:]]))

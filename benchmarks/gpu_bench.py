@@ -100,4 +100,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.__main__ import main as cli
+
+    sys.exit(cli(["gpu", *sys.argv[1:]]))

@@ -1,0 +1,106 @@
+"""benchmarks/memory_bench.py: the timed step is the training step. On clustered embeddings of a fixed class
+set the default criterion's miner returns positives and hard negatives; on random vectors with fresh labels
+(the old workload) it returns no negative, and the benchmark refuses such a workload. Ratios are per step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from benchmarks import memory_bench
+from benchmarks.memory_bench import (
+    ClusteredWorkload,
+    SavedWorkload,
+    build,
+    fill,
+    measure,
+    mined_pairs,
+    targets,
+)
+
+CPU = torch.device("cpu")
+
+
+def _filled(method: str, workload, rows: int, batch: int):
+    module = build(method, rows, workload.dim, batch, CPU)
+    fill(module, *workload.memory(rows))
+    return module
+
+
+@pytest.mark.parametrize("method", ["xbm", "axbn", "pml"])
+def test_clustered_workload_makes_the_miner_return_pairs(method):
+    workload = ClusteredWorkload(dim=512)
+    module = _filled(method, workload, 1024, 16)
+    mined = mined_pairs(module, *workload.batch(16))
+    # 16 rows against 1024: every class appears ~2 times in the memory, and a few % of negatives are hard
+    assert mined["positive_pairs"] > 0
+    assert 0 < mined["negative_pairs"] < 16 * 1024 * 0.5
+
+
+def test_batches_come_from_the_fixed_class_set_four_per_class():
+    workload = ClusteredWorkload(dim=32, num_classes=10)
+    x, y = workload.batch(16)
+    assert torch.allclose(x.norm(dim=1), torch.ones(16))
+    assert set(y.tolist()) <= set(range(10)) and torch.bincount(y).max() == 4 and len(set(y.tolist())) == 4
+
+
+class _RandomWorkload:
+    """The old workload: random unit vectors, labels never seen before."""
+    dim = 512
+
+    def __init__(self):
+        self.step = 0
+
+    def memory(self, rows):
+        return torch.nn.functional.normalize(torch.randn(rows, self.dim), dim=1), torch.randint(0, rows // 4, (rows,))
+
+    def batch(self, size):
+        self.step += 1
+        return (torch.nn.functional.normalize(torch.randn(size, self.dim), dim=1),
+                torch.arange(size) // 4 + 10_000 * self.step)
+
+
+def test_random_vectors_with_new_labels_give_no_negatives_and_are_refused():
+    workload = _RandomWorkload()
+    assert mined_pairs(_filled("xbm", workload, 1024, 16), *workload.batch(16))["negative_pairs"] == 0
+    with pytest.raises(RuntimeError, match="miner returned"):
+        measure(_RandomWorkload(), 1024, 16, steps=1, warmup=0, device=CPU, methods=("none", "xbm"))
+
+
+def test_measure_reports_paired_per_step_ratios():
+    row = measure(ClusteredWorkload(dim=64), 256, 16, steps=3, warmup=0, device=CPU,
+                  methods=("none", "pml", "xbm", "axbn"))
+    assert {"axbn/xbm", "axbn/pml", "axbn/none", "xbm/pml", "pml/xbm"} <= set(row["paired_ratio"])
+    steps = row["per_step_ms"]
+    ratios = sorted(a / b for a, b in zip(steps["axbn"], steps["xbm"]))
+    got = row["paired_ratio"]["axbn/xbm"]
+    # the median of the per-step ratios, not the ratio of medians (times are rounded to the microsecond)
+    assert got["n"] == 3 and got["median"] == pytest.approx(ratios[1], rel=1e-2)
+    assert got["p25"] <= got["median"] <= got["p75"]
+
+
+def test_targets_read_the_whole_interval_at_the_largest_memory():
+    def row(size, p25, p75):
+        return {"workload": "clustered", "memory_size": size, "batch": 16,
+                "paired_ratio": {"axbn/xbm": {"median": (p25 + p75) / 2, "p25": p25, "p75": p75, "n": 9},
+                                 "xbm/pml": {"median": 1.0, "p25": 1.03, "p75": 1.05, "n": 9}}}
+
+    found = {t["ratio"]: t["verdict"] for t in targets([row(1024, 2.0, 3.0), row(4096, 1.01, 1.03)])}
+    assert found == {"axbn/xbm": "inconclusive", "xbm/pml": "missed"}
+
+
+def test_saved_embeddings_are_a_workload(tmp_path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "saved.npz"
+    np.savez(path, embeddings=rng.standard_normal((40, 8)), labels=np.repeat(np.arange(10), 4))
+    x, y = SavedWorkload(path).batch(8)
+    assert x.shape == (8, 8) and torch.bincount(y).max() == 4
+    np.savez(path, embeddings=rng.standard_normal((6, 8)), labels=np.arange(6))
+    with pytest.raises(ValueError, match="no class has 4"):
+        SavedWorkload(path)
+
+
+def test_the_default_criterion_is_params_yaml(monkeypatch):
+    criterion = build("axbn", 256, 64, 16, CPU)
+    assert type(criterion.loss).__name__ == "SupConLoss" and type(criterion.miner).__name__ == "PairMarginMiner"
+    assert criterion.memory.memory_size == 256 and memory_bench.memory_of(criterion) is criterion.memory
