@@ -113,10 +113,12 @@ def machine(packages: tuple[str, ...] = PACKAGES) -> dict[str, Any]:
             info["packages"][name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             info["packages"][name] = None
-    if "torch" in sys.modules:  # torch's own view: the SIMD level its CPU kernels were dispatched to
+    try:  # torch's own view: the SIMD level its CPU kernels dispatch to
         import torch
 
         info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    except ImportError:
+        info["torch_cpu_capability"] = None
     return info
 
 

@@ -150,13 +150,16 @@ def eval_section(data: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
         out += ["This file holds no GEMM measurement: the search's share of the machine's GEMM rate was not "
                 "measured.", ""]
     if g := data.get("gemm_dtypes"):
-        faster = "slower" if g["bfloat16_gflops"] < g["float32_gflops"] else "faster"
+        bf16_units = "avx512_bf16" in data.get("provenance", {}).get("machine", {}).get("cpu_flags", [])
+        slower = g["bfloat16_gflops"] < g["float32_gflops"]
         out += [f"float32 vs bfloat16 `a @ b.T` of {g['shape'][0]} x {g['shape'][1]} by {g['shape'][1]} x "
                 f"{g['shape'][2]} in the same run ({g['threads']} threads, torch CPU capability "
                 f"{g['torch_cpu_capability']}): float32 {g['float32_gflops']} GFLOP/s, bfloat16 "
-                f"{g['bfloat16_gflops']} GFLOP/s, so bfloat16 is {faster} here. The CPU flags are in the header: "
-                "without AVX-512 BF16 a bfloat16 first pass of the search cannot beat float32, so the search "
-                "stays exact float32.", ""]
+                f"{g['bfloat16_gflops']} GFLOP/s. "
+                + ("bfloat16 is slower here, so a bfloat16 first pass of the search cannot pay on this machine; "
+                   "the search stays exact float32." if slower else
+                   "bfloat16 is faster here: a bfloat16 first pass re-scored in float32 could pay (not built).")
+                + (" The CPU lists avx512_bf16." if bf16_units else " The CPU does not list avx512_bf16."), ""]
     out += ["Targets (single measurements: a value is met or missed):", ""]
     for t in targets:
         bound = f">= {t['at_least']}" if "at_least" in t else f"<= {t['at_most']}"
