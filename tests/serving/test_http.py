@@ -97,6 +97,7 @@ def test_search_embed_health(deployed, image_root, served):
             "label": "class3",
             "score": pytest.approx(1.0, abs=1e-4),
             "rank": 1,
+            "row": 13,
         }
 
         assert len(client.post("/search", files=upload(query)).json()["results"]) == 10  # default k

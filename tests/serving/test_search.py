@@ -87,6 +87,7 @@ def test_unlabelled_items_answer_label_none_after_a_reload(served, image_root, t
         "label": None,
         "score": pytest.approx(1.0, abs=1e-4),
         "rank": 1,
+        "row": 20,  # the manifest's order: 4 images of each of classes 0..4 come first
     }
     [result] = search_images(served, loaded, [image_root / "class4/img0.png"], k=1)
     assert result["results"][0]["label"] == "class4"

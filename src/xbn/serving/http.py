@@ -7,6 +7,11 @@ registry alias is picked up without a restart. A load that fails leaves the prev
 `LocalModelSource` serves a checkpoint file and an index folder; `RegistryModelSource` follows an alias of the
 model registry.
 
+For people: `GET /` is one static page over this API (drop an image, see the top-k thumbnails with labels and
+scores). With a `challenger` source it also answers `POST /compare`, the champion's and the challenger's top-k
+for the same image, which the page shows side by side for registry review. `GET /catalogue/{row}` returns a
+catalogue image (only rows of the served index, read under `catalogue_root`).
+
 Access: with a token configured (environment variable `XBN_SERVE_TOKEN`, or a file named by
 `XBN_SERVE_TOKEN_FILE`; never a command-line argument, which `ps` shows), every route but `/health` answers
 401 without `Authorization: Bearer <token>`. `serve` binds 127.0.0.1 unless told otherwise.
@@ -31,7 +36,7 @@ import uvicorn
 from fastapi import FastAPI, File, Form, HTTPException, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 
 from xbn.config import ServeConfig
 from xbn.serving.index import CatalogueIndex
@@ -42,7 +47,10 @@ from xbn.utils.io import file_digest
 log = logging.getLogger(__name__)
 
 TOKEN_ENV, TOKEN_FILE_ENV = "XBN_SERVE_TOKEN", "XBN_SERVE_TOKEN_FILE"
-OPEN_PATHS = frozenset({"/health"})  # reachable without the token: a load balancer's probe has none
+# Reachable without the token: a load balancer's probe has none, and the page holds no data (it asks for the
+# token and sends it with each API call).
+OPEN_PATHS = frozenset({"/health", "/"})
+PAGE = Path(__file__).with_name("static") / "index.html"
 _FORM_OVERHEAD = 64 * 1024  # multipart boundaries and the k field around the image bytes
 
 
@@ -221,24 +229,36 @@ def token_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
 
 
 def create_app(
-    model_source: ModelSource, config: ServeConfig | None = None, *, token: str | None | EllipsisType = ...
+    model_source: ModelSource,
+    config: ServeConfig | None = None,
+    *,
+    token: str | None | EllipsisType = ...,
+    challenger: ModelSource | None = None,
+    catalogue_root: str | Path | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `model_source`. `token`: the bearer token, None for open access; by default
-    read from the environment (`token_from_env`)."""
+    read from the environment (`token_from_env`). `challenger`: a second source `POST /compare` answers with
+    (the registry's challenger). `catalogue_root`: where the index's relative paths are, for thumbnails."""
     cfg = config or ServeConfig()  # its validator keeps default_k <= max_k
     secret = token_from_env() if token is ... else token
     holder = Holder(model_source)
+    rival = Holder(challenger) if challenger is not None else None
+    holders = [h for h in (holder, rival) if h is not None]
+
+    def refresh_all() -> None:
+        for h in holders:
+            h.refresh()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        await run_in_threadpool(holder.refresh)
+        await run_in_threadpool(refresh_all)
         background: set[asyncio.Task] = set()
         if cfg.poll_interval_s > 0:
-            background.add(asyncio.create_task(_poll(holder, cfg.poll_interval_s)))
+            background.update(asyncio.create_task(_poll(h, cfg.poll_interval_s)) for h in holders)
         loop = asyncio.get_running_loop()
         try:
             loop.add_signal_handler(
-                signal.SIGHUP, lambda: _spawn(background, run_in_threadpool(holder.refresh))
+                signal.SIGHUP, lambda: _spawn(background, run_in_threadpool(refresh_all))
             )
             hup = True
         except (ValueError, RuntimeError, NotImplementedError, AttributeError):  # not the main thread
@@ -275,20 +295,19 @@ def create_app(
     async def invalid(request: Request, exc: RequestValidationError):
         return JSONResponse({"detail": "; ".join(_explain(e) for e in exc.errors())}, status_code=422)
 
-    async def embedding(image: UploadFile) -> tuple[Loaded, Any]:
-        loaded = holder.require()
+    async def picture(image: UploadFile):
         data = await image.read(cfg.max_upload_bytes + 1)
         if len(data) > cfg.max_upload_bytes:
             raise HTTPException(413, _too_large(cfg))
+        try:
+            return await run_in_threadpool(decode_image, data, f"upload {image.filename!r}", cfg.max_pixels)
+        except UnreadableImage as exc:
+            raise HTTPException(413 if exc.too_large else 400, str(exc)) from None
 
-        def work():
-            try:
-                picture = decode_image(data, f"upload {image.filename!r}", cfg.max_pixels)
-            except UnreadableImage as exc:
-                raise HTTPException(413 if exc.too_large else 400, str(exc)) from None
-            return loaded.model.embed_images([picture])
-
-        return loaded, await run_in_threadpool(work)
+    async def embedding(image: UploadFile, served: Holder = holder) -> tuple[Loaded, Any]:
+        loaded = served.require()
+        decoded = await picture(image)
+        return loaded, await run_in_threadpool(loaded.model.embed_images, [decoded])
 
     # Parameter defaults, not Annotated: with postponed annotations FastAPI would evaluate an Annotated hint
     # in the module's globals, where this closure's `cfg` does not exist.
@@ -300,6 +319,38 @@ def create_app(
         loaded, emb = await embedding(image)
         return {**_about(loaded), "k": k, "results": neighbours(loaded.index, emb, k)[0]}
 
+    @app.post("/compare")
+    async def compare(
+        image: UploadFile = File(..., description="the query image"),  # noqa: B008
+        k: int = Form(cfg.default_k, ge=1, le=cfg.max_k),
+    ) -> dict[str, Any]:
+        if rival is None:
+            raise HTTPException(404, "no challenger is configured on this server: /compare needs one")
+        decoded = await picture(image)
+        answer = {}
+        for side, served in (("champion", holder), ("challenger", rival)):
+            loaded = served.require()
+            emb = await run_in_threadpool(loaded.model.embed_images, [decoded])
+            answer[side] = {**_about(loaded), "results": neighbours(loaded.index, emb, k)[0]}
+        return {"k": k, **answer}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(PAGE.read_text())
+
+    @app.get("/catalogue/{row}")
+    async def catalogue(row: int) -> FileResponse:
+        loaded = holder.require()
+        if catalogue_root is None:
+            raise HTTPException(404, "this server was started without the catalogue's image folder")
+        if not 0 <= row < loaded.index.count:
+            raise HTTPException(404, f"row {row} is not in the catalogue (0..{loaded.index.count - 1})")
+        # Only a path the index holds, under the catalogue root: never a path taken from the request.
+        path = Path(catalogue_root) / str(loaded.index.ids["path"].iloc[row])
+        if not path.is_file():
+            raise HTTPException(404, f"catalogue image {path.name} of row {row} is missing on this server")
+        return FileResponse(path)
+
     @app.post("/embed")
     async def embed(image: UploadFile = File(..., description="the image to embed")) -> dict[str, Any]:  # noqa: B008
         loaded, emb = await embedding(image)
@@ -310,12 +361,15 @@ def create_app(
         current = holder.current
         if current is None:
             return JSONResponse({"status": "unavailable", "error": holder.error}, status_code=503)
+        other = rival.current if rival is not None else None
         return {
             "status": "ok",
             **_about(current),
             "index_size": current.index.count,
             "index_type": current.index.meta.get("type"),
             "embedding_dim": current.model.embedding_dim,
+            "max_k": cfg.max_k,
+            "challenger": _about(other) if other is not None else None,
             "error": holder.error,
         }
 

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 
 def neighbours(index: CatalogueIndex, embeddings: np.ndarray, k: int) -> list[list[dict[str, Any]]]:
-    """For each embedding, its top-k catalogue items as {path, label, score, rank} (rank 1 = closest)."""
+    """For each embedding, its top-k catalogue items as {path, label, score, rank, row} (rank 1 = closest; row:
+    the item's row in the index and its id map)."""
     scores, rows = index.search(embeddings, k)
     paths, labels = index.ids["path"].to_numpy(), index.ids["label"].to_numpy()
     # pandas reads a label column with some nulls as strings with NaN for the nulls: pd.isna catches both.
@@ -34,6 +35,7 @@ def neighbours(index: CatalogueIndex, embeddings: np.ndarray, k: int) -> list[li
                 "label": None if pd.isna(labels[r]) else str(labels[r]),
                 "score": round(float(s), 6),
                 "rank": rank,
+                "row": int(r),
             }
             for rank, (s, r) in enumerate(zip(row_scores, row_ids), start=1)
             if r >= 0

@@ -58,5 +58,16 @@ def read_source(
     raise DatasetError(f"catalogue source {source!r} is neither 'test', a folder nor a CSV file")
 
 
+def source_root(source: str | Path, root: str | Path | None = None) -> Path:
+    """The folder the catalogue's relative paths start from, as `read_source` resolves it (without reading
+    the catalogue): `root` for "test" and for a CSV when given, else the folder or the CSV's folder."""
+    path = Path(source)
+    if str(source) == "test" or (path.is_file() and root is not None):
+        if root is None:
+            raise ValueError("source 'test' needs the dataset root")
+        return Path(root)
+    return path if path.is_dir() else path.parent
+
+
 def _columns(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[["path", "label"]].reset_index(drop=True).astype({"path": str, "label": object})

@@ -102,10 +102,19 @@ def serve(params: Params, host: str | None = None, port: int | None = None, *, v
     from xbn.serving.http import create_app
     from xbn.serving.http import serve as run_server
 
+    from xbn.serving.sources import source_root
+
     source = model_source(params, version, local)
     _require_version(source)
-    run_server(create_app(source, params.serve), host or params.serve.host,
-               params.serve.port if port is None else port)
+    # Following the registry's alias, the server also loads the challenger (when there is one) for the
+    # page's side-by-side review (`POST /compare`).
+    challenger = None
+    if isinstance(source, RegistryModelSource) and source.pinned is None and source.alias != "challenger":
+        challenger = RegistryModelSource(source.registry, source.registry.fetch_index, params.serve.cache_dir,
+                                         alias="challenger", device=source.device)
+    app = create_app(source, params.serve, challenger=challenger,
+                     catalogue_root=source_root(params.index.source, params.data.root))
+    run_server(app, host or params.serve.host, params.serve.port if port is None else port)
 
 
 def embed(params: Params, source: str, output: str, *, version: int | None = None, local: bool = False,
