@@ -126,10 +126,9 @@ def test_memvir_needs_one_weight_per_class():
     (["memory.method=none", "loss.memvir.warmup_epochs=14"], r"loss.memvir.warmup_epochs \(14\) must be below"),
     (["memory.method=none", "loss.memvir.step_gap=-1"], "loss.memvir.step_gap"),
     # The paper trains at a constant lr: the shipped step schedule (x0.33 every 4 epochs) is refused.
-    (["memory.method=none", "train.lr_gamma=0.33"], r"constant learning rate.*train.lr_gamma=0.33 decays it "
-                                                    r"every train.lr_step_epochs=4 epochs: set train.lr_gamma=1"),
-    (["memory.method=none", "loss.rho.p_switch=0.35"], r"loss.memvir.enabled and loss.rho.p_switch=0.35 "
-                                                       r"exclude each other"),
+    (["memory.method=none", "train.lr_gamma=0.33"], (r"constant learning rate.*train.lr_gamma=0.33 decays it "
+                                                     r"every train.lr_step_epochs=4 epochs: set train.lr_gamma=1")),
+    (["memory.method=none", "loss.rho.p_switch=0.35"], "loss.memvir.enabled and loss.rho.p_switch=0.35 exclude"),
 ])
 def test_impossible_memvir_settings_are_refused_by_name(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -148,7 +147,7 @@ def test_memvir_is_refused_up_front_with_exit_code_2(tmp_path):
             "loss.memvir.enabled=true"]
     run = subprocess.run([str(Path(sys.executable).with_name("xbn")), "train", "--params", str(ROOT / "params.yaml"),
                           *(a for s in sets for a in ("--set", s))], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, check=False)
     assert run.returncode == 2, run.stderr
     assert "train.lr_gamma=0.33 decays it every train.lr_step_epochs=4 epochs" in run.stderr
     assert not list(tmp_path.iterdir())  # refused before anything was read or written

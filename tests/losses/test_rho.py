@@ -27,7 +27,7 @@ def all_pairs_miner():
 
 def test_p_switch_one_writes_every_triplet_as_anchor_anchor_other_positive():
     x, y = batch()
-    a, p, n = lmu.get_all_triplets_indices(y)
+    a, _, _ = lmu.get_all_triplets_indices(y)
     a2, p2, n2 = RhoRegularizedMiner(None, 1.0, seed=0)(x, y)  # no miner: around all triplets
     assert torch.equal(a2, a) and torch.equal(p2, a)  # (a, a, p'), as Roth's reference code
     assert (y[n2] == y[a]).all() and (n2 != a).all()  # p': another sample of the anchor's class
