@@ -83,7 +83,7 @@ def _registered_version(model_dir: Path) -> tuple[str, str, str] | None:
 
     found = yaml.safe_load(meta.read_text()) or {}
     name, version = str(found.get("model_name", "")), str(found.get("model_version", ""))
-    if not name or not version:
+    if not name or not version.isdigit():  # a logged (unregistered) model's meta says version 'None'
         return None
     expected = MlflowClient().get_model_version(name, version).tags.get(SHA_TAG)
     return (name, version, expected) if expected else None
