@@ -7,6 +7,7 @@
     python -m benchmarks grid     [--quick] [--datasets ...] [--batches ...] [--seeds ...] [--workers N]
     python -m benchmarks grid --regime roth|memvir [--quick]   (a seed method in its paper's regime)
     python -m benchmarks gpu      [--quick]            (CUDA only: records 'not run' otherwise)
+    python -m benchmarks serving  [--quick] [--only search ivf_pq onnx]  (issue 17: /search, IVF-PQ, ONNX)
     python -m benchmarks methods  [--only ...] [--set ...]  (every method via dvc exp run; about 2 hours)
     python -m benchmarks all      [--quick]            (each of the above with its defaults, then the report)
     python -m benchmarks report                         (docs/benchmarks.md from the JSON files)
@@ -27,7 +28,7 @@ import traceback
 
 from benchmarks import provenance
 
-NAMES = ("memory", "eval", "loader", "pipeline", "grid", "gpu", "methods")
+NAMES = ("memory", "eval", "loader", "pipeline", "grid", "gpu", "serving", "methods")
 
 
 def run(name: str, argv: list[str], allow_dirty: bool = False) -> None:
@@ -65,6 +66,10 @@ def run(name: str, argv: list[str], allow_dirty: bool = False) -> None:
         from benchmarks import gpu_bench
 
         gpu_bench.main(argv)
+    elif name == "serving":
+        from benchmarks import serving_bench
+
+        serving_bench.main(argv)
     elif name == "grid":
         from benchmarks import grid
 

@@ -71,7 +71,10 @@ def build_faiss(x: np.ndarray, cfg: IndexConfig, kind: IndexType) -> tuple[faiss
             if dim % cfg.pq_m:
                 raise ValueError(f"index.pq_m ({cfg.pq_m}) must divide the embedding dimension ({dim})")
             params.update(pq_m=cfg.pq_m, pq_nbits=cfg.pq_nbits)
-            spec = f"IVF{nlist},PQ{cfg.pq_m}x{cfg.pq_nbits}"
+            # "np": no polysemous training (faiss's factory default for 8-bit codes). It reorders the codes
+            # for Hamming pre-filtering, which `search` never uses; the ADC distances are the same. Training
+            # IVF141,PQ64x8 on 6000 rows took 214 s with it, 13 s without (one core, benchmarks/serving_bench).
+            spec = f"IVF{nlist},PQ{cfg.pq_m}x{cfg.pq_nbits}np"
         else:
             spec = f"IVF{nlist},Flat"
     elif kind == "hnsw":
