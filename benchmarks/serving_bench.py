@@ -176,13 +176,14 @@ def recall_curve(catalogue_index, x: np.ndarray, queries: np.ndarray, probes) ->
 
 
 def tuned(catalogue_index, x, tune, check, target: float) -> dict[str, Any]:
-    """nprobe chosen on `tune` (smallest power of two reaching `target`, else the largest tried), and the
-    recall on the held-out `check` queries at it; the index is left at that nprobe."""
+    """nprobe chosen on `tune` (the smallest power of two reaching `target`; when none does, the smallest within
+    0.005 of the best recall seen: more cells would only cost time), and the recall on the held-out `check`
+    queries at it; the index is left at that nprobe."""
     from xbn.serving.index import recall_at_k, set_search_params
 
     nlist = catalogue_index.index.nlist
     curve = recall_curve(catalogue_index, x, tune, [2**i for i in range(int(math.log2(nlist)) + 1)])
-    nprobe = choose_nprobe(curve, target) or curve[-1]["nprobe"]
+    nprobe = choose_nprobe(curve, target) or choose_nprobe(curve, max(p["recall"] for p in curve) - 0.005)
     catalogue_index.meta["params"]["nprobe"] = nprobe
     set_search_params(catalogue_index.index, {"nprobe": nprobe})
     return {"nlist": nlist, "curve": curve, "nprobe": nprobe, "reached_on_tuning": choose_nprobe(curve, target)
@@ -450,7 +451,7 @@ def render(data: dict[str, Any]) -> str:
                    "lift it)." if _plateau(p["curve"], PQ_RECALL) else ""), ""]
     if o := data.get("onnx"):
         out += [f"**ONNX Runtime {o['onnxruntime']} vs torch**, {o['backbone']} at {o['image_size']} px "
-                f"(embedding {o['embedding_dim']}), {o['threads']} threads each, alternating rounds:", "",
+                f"(embedding {o['embedding_dim']}), {o['threads']} thread(s) each, alternating rounds:", "",
                 markdown_table(["batch", "rounds", "torch images/s", "ONNX images/s", "ONNX / torch median "
                                 "[p25, p75]", "max abs diff"],
                                [[r["batch"], r["rounds"], r["torch_images_per_s"], r["onnx_images_per_s"],
