@@ -309,15 +309,17 @@ def create_app(
         decoded = await picture(image)
         return loaded, await run_in_threadpool(loaded.model.embed_images, [decoded])
 
-    # Parameter defaults, not Annotated: with postponed annotations FastAPI would evaluate an Annotated hint
-    # in the module's globals, where this closure's `cfg` does not exist.
+    # The faiss search runs in a worker thread, like the embedding: on the event loop, concurrent searches would
+    # queue behind each other (the serving benchmark saw it). Parameter defaults, not Annotated: with postponed
+    # annotations FastAPI would evaluate an Annotated hint in the module's globals, where `cfg` does not exist.
     @app.post("/search")
     async def search(
         image: UploadFile = File(..., description="the query image"),  # noqa: B008
         k: int = Form(cfg.default_k, ge=1, le=cfg.max_k),
     ) -> dict[str, Any]:
         loaded, emb = await embedding(image)
-        return {**_about(loaded), "k": k, "results": neighbours(loaded.index, emb, k)[0]}
+        found = await run_in_threadpool(neighbours, loaded.index, emb, k)
+        return {**_about(loaded), "k": k, "results": found[0]}
 
     @app.post("/compare")
     async def compare(
@@ -331,7 +333,8 @@ def create_app(
         for side, served in (("champion", holder), ("challenger", rival)):
             loaded = served.require()
             emb = await run_in_threadpool(loaded.model.embed_images, [decoded])
-            answer[side] = {**_about(loaded), "results": neighbours(loaded.index, emb, k)[0]}
+            found = await run_in_threadpool(neighbours, loaded.index, emb, k)
+            answer[side] = {**_about(loaded), "results": found[0]}
         return {"k": k, **answer}
 
     @app.get("/", response_class=HTMLResponse)
