@@ -58,25 +58,29 @@ def effective_type(cfg: IndexConfig, rows: int) -> IndexType:
     return cfg.type
 
 
+def ivf_spec(cfg: IndexConfig, kind: IndexType, n: int, dim: int) -> tuple[str, dict[str, Any]]:
+    """The faiss factory string of an IVF index over `n` rows of `dim` and the parameters it records."""
+    nlist = cfg.nlist or max(1, min(int(4 * math.sqrt(n)), n // _MIN_POINTS_PER_CELL))
+    if nlist > n:
+        raise ValueError(f"index.nlist ({nlist}) exceeds the {n} rows to train on")
+    params: dict[str, Any] = {"nlist": nlist, "nprobe": cfg.nprobe}
+    if kind != "ivf_pq":
+        return f"IVF{nlist},Flat", params
+    if dim % cfg.pq_m:
+        raise ValueError(f"index.pq_m ({cfg.pq_m}) must divide the embedding dimension ({dim})")
+    params.update(pq_m=cfg.pq_m, pq_nbits=cfg.pq_nbits)
+    # "np": no polysemous training (faiss's factory default for 8-bit codes). It reorders the codes for Hamming
+    # pre-filtering, which `search` never uses; the ADC distances are the same. Training IVF141,PQ64x8 on 6000
+    # rows took 214 s with it, 13 s without (one core, benchmarks/serving_bench).
+    return f"IVF{nlist},PQ{cfg.pq_m}x{cfg.pq_nbits}np", params
+
+
 def build_faiss(x: np.ndarray, cfg: IndexConfig, kind: IndexType) -> tuple[faiss.Index, dict[str, Any]]:
     """An inner-product faiss index of type `kind` holding the unit rows `x`, and the parameters it got."""
     n, dim = x.shape
     params: dict[str, Any] = {}
     if kind in ("ivf_flat", "ivf_pq"):
-        params["nlist"] = nlist = cfg.nlist or max(1, min(int(4 * math.sqrt(n)), n // _MIN_POINTS_PER_CELL))
-        if nlist > n:
-            raise ValueError(f"index.nlist ({nlist}) exceeds the {n} rows to train on")
-        params["nprobe"] = cfg.nprobe
-        if kind == "ivf_pq":
-            if dim % cfg.pq_m:
-                raise ValueError(f"index.pq_m ({cfg.pq_m}) must divide the embedding dimension ({dim})")
-            params.update(pq_m=cfg.pq_m, pq_nbits=cfg.pq_nbits)
-            # "np": no polysemous training (faiss's factory default for 8-bit codes). It reorders the codes
-            # for Hamming pre-filtering, which `search` never uses; the ADC distances are the same. Training
-            # IVF141,PQ64x8 on 6000 rows took 214 s with it, 13 s without (one core, benchmarks/serving_bench).
-            spec = f"IVF{nlist},PQ{cfg.pq_m}x{cfg.pq_nbits}np"
-        else:
-            spec = f"IVF{nlist},Flat"
+        spec, params = ivf_spec(cfg, kind, n, dim)
     elif kind == "hnsw":
         params.update(hnsw_m=cfg.hnsw_m, ef_construction=cfg.ef_construction, ef_search=cfg.ef_search)
         spec = f"HNSW{cfg.hnsw_m},Flat"

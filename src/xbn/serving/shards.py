@@ -23,7 +23,6 @@ import math
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import faiss
 import numpy as np
@@ -34,7 +33,6 @@ from xbn.config import IndexConfig
 from xbn.evaluation.knn import knn_search
 from xbn.serving.embed_job import read_embeddings
 from xbn.serving.index import (
-    _MIN_POINTS_PER_CELL,
     FORMAT,
     IDS_FILE,
     INDEX_FILE,
@@ -42,6 +40,7 @@ from xbn.serving.index import (
     RECALL_K,
     CatalogueIndex,
     _id_map,
+    ivf_spec,
     set_search_params,
     unit_rows,
 )
@@ -65,15 +64,8 @@ def train_ivf(shards: Sequence[Path], cfg: IndexConfig, dim: int, total: int) ->
     proportion to their sizes, and its parameters."""
     if cfg.type not in ONDISK_TYPES:
         raise ValueError(f"an on-disk index is IVF: index.type must be one of {ONDISK_TYPES}, not {cfg.type}")
-    nlist = cfg.nlist or max(1, min(int(4 * math.sqrt(total)), total // _MIN_POINTS_PER_CELL))
-    params: dict[str, Any] = {"nlist": nlist, "nprobe": cfg.nprobe}
-    if cfg.type == "ivf_pq":
-        if dim % cfg.pq_m:
-            raise ValueError(f"index.pq_m ({cfg.pq_m}) must divide the embedding dimension ({dim})")
-        params.update(pq_m=cfg.pq_m, pq_nbits=cfg.pq_nbits)
-        spec = f"IVF{nlist},PQ{cfg.pq_m}x{cfg.pq_nbits}"
-    else:
-        spec = f"IVF{nlist},Flat"
+    spec, params = ivf_spec(cfg, cfg.type, total, dim)
+    nlist = params["nlist"]
     want = min(total, nlist * TRAIN_POINTS_PER_CELL)
     rng = np.random.default_rng(cfg.seed)
     sample = []
