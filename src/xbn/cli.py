@@ -280,27 +280,23 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     from xbn.data import DatasetError
 
+    exit_codes = (
+        ((ConfigError,), EXIT_CONFIG),  # a check that needs more than the schema (e.g. a tune.space bound)
+        # FileExistsError: data.root not ours; IntegrityError: a model file is not the one written or registered
+        ((DatasetError, FileNotFoundError, FileExistsError, IntegrityError), EXIT_DATA),
+        ((ServiceUnavailableError,), EXIT_SERVICE),  # the tracking store is down: nothing was started
+        # Nothing to serve or to roll back to, an unknown version, no index attached; a non-finite loss (the
+        # message names the iteration; the last good checkpoint is kept).
+        ((RegistryError, NonFiniteLossError), EXIT_FAILURE),
+    )
     try:
         result = args.fn(params, args)
-    except ConfigError as exc:  # a check that needs more than the schema (e.g. a tune.space bound)
+    except tuple(kind for kinds, _ in exit_codes for kind in kinds) as exc:
         print(f"xbn {args.command}: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    # FileExistsError: data.root not ours; IntegrityError: a model file is not the one written or registered
-    except (DatasetError, FileNotFoundError, FileExistsError, IntegrityError) as exc:
-        print(f"xbn {args.command}: {exc}", file=sys.stderr)
-        return EXIT_DATA
-    except ServiceUnavailableError as exc:  # the tracking store is down: nothing was started
-        print(f"xbn {args.command}: {exc}", file=sys.stderr)
-        return EXIT_SERVICE
-    except RegistryError as exc:  # nothing to serve or to roll back to, an unknown version, no index attached
-        print(f"xbn {args.command}: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
-    except NonFiniteLossError as exc:  # the message names the iteration; the last good checkpoint is kept
-        print(f"xbn {args.command}: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+        return next(code for kinds, code in exit_codes if isinstance(exc, kinds))
     if result is None:  # a command that ran until stopped (serve)
-        pass
-    elif isinstance(result, str):
+        return 0
+    if isinstance(result, str):
         print(result)
     elif not args.quiet and rank in (None, "0"):  # -q: the result is in the file the stage wrote
         print(json.dumps(result, indent=2, default=str))
