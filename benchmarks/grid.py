@@ -3,7 +3,7 @@ Omniglot (seed 000's Table 2 / Figure 1 form), within a CPU budget.
 
     python -m benchmarks grid [--datasets glyphs omniglot] [--batches 16 64] [--seeds 0 1 2] [--workers 2]
     python -m benchmarks grid --quick          (2 methods, 1 seed, 1 epoch: checks the machinery)
-    python -m benchmarks grid --regime roth|memvir [--quick]   (a seed method in its paper's regime:
+    python -m benchmarks grid --regime roth|memvir|mpn|refine [--quick]   (a seed method in its paper's regime:
                                                                  benchmarks/regimes.py)
 
 Each run trains through xbn's own API (`xbn.training.fit`, the shipped defaults of params.yaml plus the
@@ -135,7 +135,8 @@ def run_overrides(data: list[str], method: list[str], batch: int, seed: int, run
         f"train.checkpoint_dir={run_dir / 'models'}", f"train.metrics_dir={run_dir / 'metrics'}",
         "train.log_every=1000", "data.num_workers=0",
         "eval.baseline=false", "eval.embedding_space=false", f"eval.output={run_dir / 'metrics' / 'eval.json'}",
-        "eval.k=[1,2,4,8]", "tracking.enabled=false", *method,
+        "eval.k=[1,2,4,8]", "tracking.enabled=false", f"refine.output={run_dir / 'models' / 'refiner.pt'}",
+        f"refine.metrics={run_dir / 'metrics' / 'refine.json'}", *method,
     ]
 
 
@@ -153,13 +154,39 @@ def run_one(overrides: list[str], threads: int, params_file: Path) -> dict[str, 
     started = time.perf_counter()
     summary = fit(params, progress=False)
     train_s = time.perf_counter() - started
-    metrics = evaluate(params)
+    variants: dict[str, dict[str, Any]] = {}
+    if params.refine.enabled:  # seed 001: the refiner on this run's backbone; the run's row is the refined one
+        from xbn.stages.refine import refine
+
+        refined = refine(params)
+        metrics = evaluate(params)
+        variants["plain"] = {"recall@1": metrics["recall@1"], "map@r": metrics["map@r"],
+                             "val_recall@1": refined["val_plain_recall@1"]}
+        summary["best_val_recall@1"] = refined["val_refined_recall@1"]
+        metrics = {**metrics, **metrics.pop("refined"), "refine_epoch": refined["epoch"],
+                   "refine_served": refined["served"], "refine_train_views_recall@1": refined["train_plain_recall@1"]}
+    else:
+        metrics = evaluate(params)
+    if "mpn" in metrics:  # Intra-Batch at test time, over the expanded k-reciprocal neighbourhoods
+        variants["mpn_test_time"] = {k: metrics["mpn"][k] for k in ("recall@1", "map@r")}
+    extra = {k: metrics[k] for k in ("refine_epoch", "refine_served", "refine_train_views_recall@1") if k in metrics}
     return {"recall@1": metrics["recall@1"], "map@r": metrics["map@r"], "recall@4": metrics.get("recall@4"),
             "rho_spectrum": metrics.get("rho_spectrum"),
             "nmi": metrics.get("nmi"), "val_recall@1": summary["best_val_recall@1"],
             "untrained_val_recall@1": summary["untrained_val_recall@1"], "best_epoch": summary["best_epoch"],
-            "iterations": summary["iterations"], "memory_rows": summary["memory_rows"],
-            "train_s": round(train_s, 1), "loadavg_before": load[0], "loadavg_after": os.getloadavg()[0]}
+            "iterations": summary["iterations"], "memory_rows": summary["memory_rows"], **extra,
+            "train_s": round(train_s, 1), "loadavg_before": load[0], "loadavg_after": os.getloadavg()[0],
+            **({"variants": variants} if variants else {})}
+
+
+def with_variants(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run, then a run of its own for each row a regime derives from its training (the plain embedding under
+    the refiner, the MPN at test time): same dataset, batch, seed and cost, so the pairing by seed holds."""
+    variants = run.pop("variants", {})
+    shared = {k: run[k] for k in ("dataset", "batch", "seed", "git_commit", "train_s", "loadavg_before",
+                                  "loadavg_after") if k in run}
+    return [run, *({**shared, **values, "method": name, "derived_from": run["method"]}
+                   for name, values in variants.items())]
 
 
 def aggregate(runs: list[dict[str, Any]], methods: list[str] | None = None) -> list[dict[str, Any]]:
@@ -186,6 +213,8 @@ def aggregate(runs: list[dict[str, Any]], methods: list[str] | None = None) -> l
 
 def render(result: dict[str, Any], dataset: str) -> str:
     def cell(r: dict[str, Any], key: str) -> str:
+        if key not in r:  # a row derived from another run's training may lack a number (no val for the MPN)
+            return ""
         return f"{r[key]:.4f} ± {r[key + '_std']:.4f}" if r[key + "_std"] is not None else f"{r[key]:.4f}"
 
     sel = [r for r in result["table"] if r["dataset"] == dataset]
@@ -282,11 +311,14 @@ def main(argv: list[str]) -> int:
                      if regime else None,
                      "scale": SCALE, "datasets_spec": {d: DATASETS[d] for d in args.datasets},
                      "backbone": "tf_efficientnet_lite0 (offline ImageNet weights), memory.size=1.0"},
-        "data": {}, "table": [],
+        "data": dict(old.get("data", {})), "table": [],
         "runs": [{"git_commit": old.get("machine", {}).get("git_commit"), **r} for r in old.get("runs", [])
                  if "recall@1" in r],
     }
     done = {(r["dataset"], r["method"], r["batch"], r["seed"]) for r in result["runs"]}
+    scheduled = regime.scheduled(args.methods) if regime else args.methods
+    # The table's rows: those asked for, and the rows the scheduled jobs derive (regimes.Regime.derived).
+    args.methods = [m for m in table if m in args.methods or regime and regime.derived.get(m) in scheduled]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="xbn_grid_") as tmp:
         work = Path(tmp)
@@ -305,7 +337,7 @@ def main(argv: list[str]) -> int:
             # Seed-major: a grid stopped early has whole seeds rather than whole methods.
             for seed in args.seeds:
                 for batch in args.batches:
-                    for method in args.methods:
+                    for method in scheduled:
                         if (dataset, method, batch, seed) in done:
                             continue
                         run_dir = work / "runs" / f"{dataset}_{method.replace('*', 'star')}_b{batch}_s{seed}"
@@ -323,7 +355,7 @@ def main(argv: list[str]) -> int:
                     run = {**key, **future.result(), "git_commit": result["machine"]["git_commit"]}
                 except Exception as exc:  # one failed configuration must not lose the others
                     run = {**key, "error": f"{type(exc).__name__}: {exc}"}
-                result["runs"].append(run)
+                result["runs"] += with_variants(run)
                 result["table"] = aggregate(result["runs"], args.methods)
                 result["elapsed_s"] = round(time.perf_counter() - started, 1)
                 result["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -3,6 +3,7 @@ by the grid (`benchmarks/grid.py`: the same data, seeds, workers and results fil
 
     python -m benchmarks grid --regime roth   [--quick] [--datasets ...] [--seeds ...]
     python -m benchmarks grid --regime memvir [--quick] [--datasets ...] [--seeds ...]
+    python -m benchmarks grid --regime mpn|refine [--quick] [--datasets ...] [--seeds ...]
 
 - `roth` (Roth et al. 2020, seed 003): no memory, the margin loss (beta 1.2, margin 0.2) with
   distance-weighted mining and SPC-2 batches as the baseline (`margin`); each sampler, miner and rho
@@ -12,6 +13,16 @@ by the grid (`benchmarks/grid.py`: the same data, seeds, workers and results fil
   with MemVir (`memvir`): 1 + 40 epochs for both, MemVir joining after 20 (the baseline's convergence: the
   paper adds MemVir to a converged model), M = 10 and N scaled so that the curriculum's N(M+1) steps take
   about 12 epochs (the paper's N = 45 when an epoch has 110 steps or more; see `MemVirConfig`).
+- `mpn` (Seidenschwarz et al. 2021, seed 004): the paper's batch for CUB-like sets (6 classes x 9 images;
+  glyphs and Omniglot take CUB's setting, `MPN_PAPER_DEFAULTS`), no memory. The baseline (`softmax`) is the
+  paper's ablation baseline, the backbone trained with a cross-entropy alone on the same batches (here
+  NormSoftmax, a cosine-classifier cross-entropy); `mpn` trains with the message passing network's loss and
+  reports both the plain backbone embedding (what inference serves, `mpn`) and the MPN run at test time over
+  the expanded k-reciprocal neighbourhoods (`mpn_test_time`, from the same run).
+- `refine` (seed 001): the refiner with its defaults (T = 8, k = 8, 2 augmented views, 20 epochs, served
+  only if it beats plain on validation) on top of the shipped pipeline at the grid's scale. One training per
+  seed gives both rows: `plain` (the backbone's embedding) and `refined` (Algorithm 2, both sides refined), so
+  the difference is paired by construction.
 
 `--quick` shrinks a regime to two methods, one seed, the glyphs and a couple of epochs (under 2 minutes on
 the 2-core CPU machine): it checks the machinery, its numbers mean nothing.
@@ -30,6 +41,10 @@ MEMVIR_BASE = [
     "memory.method=none", "loss.name=NormalizedSoftmaxLoss", "loss.params={}", "loss.miner=null",
     "train.lr_gamma=1", "train.warmup_epochs=1", "train.epochs=40",
 ]
+# Intra-Batch's batch is applied by the config when model.mpn is on (6 x 9 for glyphs, Omniglot: CUB's); the
+# baseline is given the same batch explicitly.
+MPN_BATCH = ["train.samples_per_class=9"]
+MPN_BASE = ["memory.method=none", "loss.miner=null", *MPN_BATCH]
 MEMVIR_WARMUP_EPOCHS = 20
 MEMVIR_STEP_GAP = 10
 MEMVIR_CURRICULUM_EPOCHS = 12  # epochs over which the virtual steps climb to N
@@ -43,6 +58,12 @@ class Regime:
     batches: list[int]
     quick_methods: tuple[str, ...]
     quick: list[str] = field(default_factory=list)  # overrides added to every run under --quick
+    # Rows that no job of their own runs: a job of `source` reports them from the same training (name -> source).
+    derived: dict[str, str] = field(default_factory=dict)
+
+    def scheduled(self, methods: list[str]) -> list[str]:
+        """The jobs that produce `methods`: each derived row asks for its source's job, once."""
+        return list(dict.fromkeys(self.derived.get(m, m) for m in methods))
 
     def overrides(self, method: str, steps_per_epoch: int, quick: bool) -> list[str]:
         extra = memvir_steps(steps_per_epoch, quick) if method == "memvir" else []
@@ -83,5 +104,23 @@ REGIMES: dict[str, Regime] = {
         batches=[64],
         quick_methods=("normsoftmax", "memvir"),
         quick=["train.warmup_epochs=0", "train.epochs=1"],
+    ),
+    "mpn": Regime(
+        about="Seidenschwarz et al. 2021: the Intra-Batch MPN at its paper's batch (6 x 9), no memory",
+        methods={"softmax": [*MPN_BASE, "loss.name=NormalizedSoftmaxLoss", "loss.params={}"],
+                 "mpn": [*MPN_BASE, "model.mpn.enabled=true", "model.mpn.test_time=true"],
+                 "mpn_test_time": []},
+        batches=[54],
+        quick_methods=("softmax", "mpn"),
+        quick=["train.warmup_epochs=0", "train.epochs=1"],
+        derived={"mpn_test_time": "mpn"},
+    ),
+    "refine": Regime(
+        about="seed 001: the neighbourhood cross-attention refiner with its defaults on the shipped pipeline",
+        methods={"plain": [], "refined": ["refine.enabled=true"]},
+        batches=[64],
+        quick_methods=("plain", "refined"),
+        quick=["train.warmup_epochs=0", "train.epochs=1", "refine.epochs=1"],
+        derived={"plain": "refined"},
     ),
 }

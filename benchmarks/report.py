@@ -495,7 +495,9 @@ def main(argv: list[str] | None = None) -> Path:
             text, found = serving_section(data)
             parts.append(text)
             targets += found
-    for name in ("grid_roth", "grid_memvir"):  # section 9: the seed methods in their papers' regimes
+    from benchmarks.regimes import REGIMES
+
+    for name in (f"grid_{regime}" for regime in REGIMES):  # section 9: the seed methods in their papers' regimes
         if data := _load(name):
             parts.append(regime_section(data))
     intro = ["# Benchmarks", "",

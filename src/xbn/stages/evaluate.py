@@ -43,7 +43,7 @@ def evaluate(params: Params) -> dict:
         metrics["mpn"] = _mpn_metrics(params, device, q_emb, q_lab, r_emb, r_lab)
     from xbn.stages.refine import evaluate_refined
 
-    # Seed 001: refined queries against the plain references (same metric names), when the refiner is on.
+    # Seed 001, Algorithm 2: refined queries against refined references (same metric names), when the refiner is on.
     if (refined := evaluate_refined(params, q_emb, q_lab, r_emb, r_lab, path, device)) is not None:
         metrics["refined"] = refined
     if params.eval.baseline:
