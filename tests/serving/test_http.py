@@ -330,3 +330,33 @@ def test_serve_binds_localhost_reads_a_token_file_and_reloads_on_sighup(
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def test_a_failing_reload_is_logged_once_per_distinct_failure(caplog):
+    """The poll asks every few seconds: a registry with no challenger yet or a store that stays down must not
+    repeat one line per poll, and a new failure or the recovery is still said."""
+
+    class Flaky:
+        def __init__(self):
+            self.outcomes = [None, None, None, OSError("store down"), OSError("store down"), "7"]
+
+        def version(self):
+            outcome = self.outcomes.pop(0)
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+        def load(self):
+            return SimpleNamespace(version="7", name="xbn-embedder", index=SimpleNamespace(count=3))
+
+    holder = Holder(Flaky())
+    with caplog.at_level("DEBUG", logger="xbn.serving.http"):
+        switched = [holder.refresh() for _ in range(6)]
+    assert switched == [False] * 5 + [True] and holder.error is None and holder.current.version == "7"
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.levelno > 10]
+    assert said == [
+        ("WARNING", "model reload failed, still serving nothing: LookupError: the model source has no version to "
+                    "serve"),
+        ("ERROR", "model reload failed, still serving nothing: OSError: store down"),
+        ("INFO", "serving xbn-embedder version 7 (index of 3) instead of nothing"),
+    ]

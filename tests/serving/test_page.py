@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from serving_support import IMAGE_SIZE, running
+from serving_support import running
 from test_http import local_source, versions  # noqa: F401 -- the module fixture of two versions
 
 from xbn.config import ServeConfig

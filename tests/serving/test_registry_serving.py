@@ -13,11 +13,10 @@ from serving_support import running, wait_for
 from tracking.helpers import run_pipeline, write_manifest
 
 from xbn.cli import main
-from xbn.config import Params, ServeConfig
-from xbn.serving.http import create_app
+from xbn.config import Params
 from xbn.stages.index import index
 from xbn.stages.register import promote
-from xbn.stages.serve import model_source
+from xbn.stages.serve import serving_app
 from xbn.tracking import PARENT_RUN_ENV, Registry
 from xbn.tracking.registry import INDEX_RECALL_TAG, INDEX_SHA_TAG
 
@@ -81,11 +80,16 @@ def test_search_and_the_endpoint_serve_the_champions_index_and_follow_a_promotio
     assert index(project)["version"] == 2
     v1_scores = [r["score"] for r in found["results"]]
 
-    with running(create_app(model_source(project), ServeConfig(poll_interval_s=0.2), token=None)) as client:
+    with running(serving_app(project, token=None)) as client:  # what `xbn serve` runs
         health = client.get("/health").json()
         assert (health["version"], health["alias"], health["index_size"]) == ("1", "champion", 34)
         with open(query, "rb") as f:
             image = f.read()
+        # The page's review: the champion (v1) and the registry's challenger (v2) answer the same query.
+        compared = client.post("/compare", files={"image": ("q.png", image)}, data={"k": "3"}).json()
+        assert (compared["champion"]["version"], compared["challenger"]["version"]) == ("1", "2")
+        assert compared["challenger"]["alias"] == "challenger"
+        assert [r["path"] for r in compared["champion"]["results"]] == [r["path"] for r in found["results"]]
         served = client.post("/search", files={"image": ("q.png", image)}, data={"k": "3"}).json()
         assert served["version"] == "1" and [r["path"] for r in served["results"]] == [
             r["path"] for r in found["results"]]  # what `xbn search` printed

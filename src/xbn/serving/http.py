@@ -186,12 +186,14 @@ class Holder:
                     return False
                 loaded = self.source.load()
             except Exception as exc:  # noqa: BLE001 -- any failure: keep serving what is loaded, /health shows it
-                self.error = f"{type(exc).__name__}: {exc}"
-                log.error(
-                    "model reload failed, still serving %s: %s",
-                    self.current.version if self.current else "nothing",
-                    self.error,
-                )
+                error = f"{type(exc).__name__}: {exc}"
+                # Once per distinct failure: the poll must not repeat it every few seconds (a store down for an
+                # hour, a registry with no challenger yet). No version at all is a state, not a fault.
+                level = (logging.DEBUG if error == self.error
+                         else logging.WARNING if isinstance(exc, LookupError) else logging.ERROR)
+                self.error = error
+                log.log(level, "model reload failed, still serving %s: %s",
+                        self.current.version if self.current else "nothing", error)
                 return False
             before, self.current, self.error = self.current, loaded, None
         log.info(

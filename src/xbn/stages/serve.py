@@ -99,22 +99,27 @@ def serve(params: Params, host: str | None = None, port: int | None = None, *, v
           local: bool = False) -> None:
     """Run the HTTP endpoint until interrupted; it follows `serve.alias` (polling every
     `serve.poll_interval_s`, and on SIGHUP) unless a version or the local model is named."""
-    from xbn.serving.http import create_app
     from xbn.serving.http import serve as run_server
 
+    app = serving_app(params, version=version, local=local)
+    run_server(app, host or params.serve.host, params.serve.port if port is None else port)
+
+
+def serving_app(params: Params, *, version: int | None = None, local: bool = False, token=...):
+    """The app `xbn serve` runs (`token`: as `create_app`'s, by default from the environment). Following the
+    registry's alias, it also loads the challenger (when there is one) for the page's side-by-side review
+    (`POST /compare`)."""
+    from xbn.serving.http import create_app
     from xbn.serving.sources import source_root
 
     source = model_source(params, version, local)
     _require_version(source)
-    # Following the registry's alias, the server also loads the challenger (when there is one) for the
-    # page's side-by-side review (`POST /compare`).
     challenger = None
     if isinstance(source, RegistryModelSource) and source.pinned is None and source.alias != "challenger":
         challenger = RegistryModelSource(source.registry, source.registry.fetch_index, params.serve.cache_dir,
                                          alias="challenger", device=source.device)
-    app = create_app(source, params.serve, challenger=challenger,
-                     catalogue_root=source_root(params.index.source, params.data.root))
-    run_server(app, host or params.serve.host, params.serve.port if port is None else port)
+    return create_app(source, params.serve, token=token, challenger=challenger,
+                      catalogue_root=source_root(params.index.source, params.data.root))
 
 
 def embed(params: Params, source: str, output: str, *, version: int | None = None, local: bool = False,
