@@ -356,14 +356,14 @@ def main(argv: list[str]) -> int:
                 except Exception as exc:  # one failed configuration must not lose the others
                     run = {**key, "error": f"{type(exc).__name__}: {exc}"}
                 result["runs"] += with_variants(run)
-                result["table"] = aggregate(result["runs"], args.methods)
+                result["table"] = aggregate(result["runs"], list(table))  # every method with runs, --resume too
                 result["elapsed_s"] = round(time.perf_counter() - started, 1)
                 result["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
                 write_result(args.output, result)
                 shown = {k: run[k] for k in ("recall@1", "val_recall@1", "train_s", "error") if k in run}
                 print(f"[{i}/{len(jobs)}] {key}: {shown}", flush=True)
     result["machine"]["git_commit_end"] = machine_info()["git_commit"]
-    result["plot"] = str(plot(result, DOCS / f"{args.output}_recall.png", args.methods))
+    result["plot"] = str(plot(result, DOCS / f"{args.output}_recall.png", list(table)))
     write_result(args.output, result)
     for dataset in result["data"]:
         print(f"\n{dataset}\n{render(result, dataset)}")

@@ -11,14 +11,14 @@ def test_a_derived_row_schedules_its_source_job_once():
     refine, mpn = REGIMES["refine"], REGIMES["mpn"]
     assert refine.scheduled(["plain", "refined"]) == ["refined"]
     assert refine.scheduled(["plain"]) == ["refined"]  # asking for the baseline alone still trains once
-    assert mpn.scheduled(["softmax", "mpn", "mpn_test_time"]) == ["softmax", "mpn"]
+    assert mpn.scheduled(["no_mpn", "mpn", "mpn_test_time", "softmax"]) == ["no_mpn", "mpn", "softmax"]
     assert REGIMES["roth"].scheduled(["margin", "rho"]) == ["margin", "rho"]
 
 
 def test_the_baselines_come_first_and_the_mpn_runs_at_its_paper_batch():
-    assert list(REGIMES["refine"].methods)[0] == "plain" and list(REGIMES["mpn"].methods)[0] == "softmax"
+    assert list(REGIMES["refine"].methods)[0] == "plain" and list(REGIMES["mpn"].methods)[0] == "no_mpn"
     assert REGIMES["mpn"].batches == [54]  # CUB's 6 classes x 9 images, which glyphs and Omniglot take
-    for method in ("softmax", "mpn"):
+    for method in ("no_mpn", "mpn", "softmax"):
         assert "train.samples_per_class=9" in REGIMES["mpn"].methods[method]
         assert "memory.method=none" in REGIMES["mpn"].methods[method]
 

@@ -21,10 +21,21 @@ GRID_SCALE = [f"train.epochs={SCALE['epochs']}", f"train.warmup_epochs={SCALE['w
 
 
 @pytest.mark.parametrize("quick", [False, True])
-@pytest.mark.parametrize(("regime", "method"), [(r, m) for r, reg in REGIMES.items() for m in reg.methods])
+@pytest.mark.parametrize(("regime", "method"), [(r, m) for r, reg in REGIMES.items() for m in reg.methods
+                                                if m not in reg.derived])  # a derived row has no run of its own
 def test_every_regime_run_loads_as_valid_params(regime, method, quick):
-    params = load_params(ROOT / "params.yaml", [*GRID_SCALE, *REGIMES[regime].overrides(method, 9, quick)])
+    batch = f"train.batch_size={REGIMES[regime].batches[0]}"  # the grid sets the regime's batch
+    params = load_params(ROOT / "params.yaml", [*GRID_SCALE, batch, *REGIMES[regime].overrides(method, 9, quick)])
+    if regime == "refine":  # the refiner on top of the shipped pipeline, T = 8 blocks and k = 8 (the paper's)
+        assert params.memory.method == "axbn" and (params.refine.blocks, params.refine.k) == (8, 8)
+        assert params.refine.enabled == (method == "refined")
+        return
     assert params.memory.method == "none"
+    if regime == "mpn":  # the paper's 6 x 9 batch (CUB's, which glyphs take), with and without message passing
+        assert (params.train.batch_size, params.train.samples_per_class) == (54, 9)
+        mpn = params.model.mpn.resolved(params.data.dataset)
+        assert (mpn.enabled, mpn.layers) == {"no_mpn": (True, 0), "softmax": (False, 1)}.get(method, (True, 1))
+        return
     if regime == "roth":
         assert params.loss.name == "MarginLoss" and params.train.samples_per_class == 2
         assert params.eval.embedding_space  # rho_spectrum is reported

@@ -82,6 +82,18 @@ def test_loss_equals_hand_computed_label_smoothed_ce_with_temperature():
         loss_fn(emb, torch.tensor([3, 3, 5, 5, 12, 12]))
 
 
+def test_without_message_passing_the_classifier_sees_the_backbone_embeddings():
+    """layers 0, the paper's ablation baseline: the MPN is the identity, so its classifier (neck + linear) is
+    applied to the backbone embeddings themselves, next to the auxiliary one."""
+    loss_fn = IntraBatchLoss(_mpn(layers=0), train_labels=np.array([9, 3, 5]), temperature=0.2)
+    loss_fn.eval()  # the neck's BatchNorm on its running statistics (0 mean, 1 variance): a fixed affine map
+    emb = F.normalize(torch.randn(6, 16), dim=-1)
+    assert torch.equal(loss_fn.mpn(emb), emb)
+    mpn_logits, _ = loss_fn.logits(emb)
+    torch.testing.assert_close(mpn_logits, loss_fn.classifier(loss_fn.neck(emb)))
+    torch.testing.assert_close(mpn_logits, (emb / (1 + 1e-5) ** 0.5) @ loss_fn.classifier.weight.T)
+
+
 def test_config_defaults_and_errors():
     params = load_params(ROOT / "params.yaml", ["model.mpn.enabled=true"])
     assert params.model.mpn.layers is None  # null in params.yaml: the paper's values for the dataset
@@ -89,6 +101,9 @@ def test_config_defaults_and_errors():
     assert (cars.layers, cars.heads) == (2, 8)
     assert params.model.mpn.resolved("glyphs").temperature == 0.2  # CUB's
     assert params.model.mpn.resolved("deepfashion2").heads == 4  # In-Shop's
+    # 0 layers is a value (the paper's ablation baseline), not a null to fill from the dataset's setting.
+    assert load_params(ROOT / "params.yaml", ["model.mpn.enabled=true", "model.mpn.layers=0"]
+                       ).model.mpn.resolved("cars196").layers == 0
     with pytest.raises(ConfigError, match=r"model\.mpn\.test_time.*model\.mpn\.enabled"):
         load_params(ROOT / "params.yaml", ["model.mpn.test_time=true"])
     with pytest.raises(ConfigError, match=r"model\.embedding_dim \(510\).*model\.mpn\.heads \(4\)"):

@@ -88,7 +88,9 @@ class MpnConfig(Section):
     64 x 4 itself, say so here (classes_per_batch: 16, samples_per_class: 4)."""
 
     enabled: bool = False
-    layers: int | None = Field(None, ge=1)  # null: the paper's value for data.dataset (MPN_PAPER_DEFAULTS)
+    # null: the paper's value for data.dataset (MPN_PAPER_DEFAULTS). 0: no message passing, the paper's ablation
+    # baseline (the same classifiers and batches on the backbone embeddings alone).
+    layers: int | None = Field(None, ge=0)
     heads: int | None = Field(None, ge=1)  # each head is embedding_dim / heads wide
     temperature: float | None = Field(None, gt=0.0)
     classes_per_batch: int | None = Field(None, ge=2)  # null: the paper's (or train's, see above)
@@ -106,7 +108,8 @@ class MpnConfig(Section):
         """A copy with every null of the network filled from the paper's setting for the dataset's family
         (the batch composition is resolved by `Params`, which also sees train's)."""
         layers, heads, temperature, *_ = MPN_PAPER_DEFAULTS[MPN_FAMILY.get(dataset, "cub")]
-        return self.model_copy(update={"layers": self.layers or layers, "heads": self.heads or heads,
+        return self.model_copy(update={"layers": layers if self.layers is None else self.layers,
+                                       "heads": self.heads or heads,
                                        "temperature": self.temperature or temperature})
 
 
