@@ -334,6 +334,15 @@ def regime_section(data: dict[str, Any]) -> str:
                            else "within the seed spread of")
                 out.append(f"- {method} is **{verdict}** {methods[0]}: test R@1 difference {_interval(d)} "
                            f"(95% interval over {d['seeds']} paired seeds).")
+        # A run whose selected checkpoint is the head warm-up never improved on validation afterwards: its test
+        # row is the warm-up model's, not the method's trained one (a small val split decides by a few images).
+        warm = data["settings"].get("scale", {}).get("warmup_epochs", 1)
+        kept = [r for r in done if r["dataset"] == dataset and r.get("best_epoch") is not None
+                and r["best_epoch"] <= warm]
+        if kept:
+            out.append(f"- Kept the head warm-up (selected epoch <= {warm}: no later epoch beat it on validation "
+                       "R@1): " + "; ".join(f"{r['method']} seed {r['seed']} (test R@1 {r['recall@1']:.4f}, val "
+                                            f"{r['val_recall@1']:.4f})" for r in kept) + ".")
         out.append("")
     return "\n".join(out)
 

@@ -50,6 +50,15 @@ def test_variants_are_judged_against_the_baseline_by_their_paired_interval():
     assert _unexplained(text, {**DATA, "derived": derived, "confidence": 95, "about": REGIMES["roth"].about}) == []
 
 
+def test_runs_that_kept_the_head_warm_up_are_named():
+    runs = [{**r, "best_epoch": 1 if (r["method"], r["seed"]) == ("spc_r", 0) else 7} for r in DATA["runs"]]
+    text = report.regime_section({**DATA, "runs": runs, "settings": {**DATA["settings"],
+                                                                      "scale": {"warmup_epochs": 1}}})
+    assert ("- Kept the head warm-up (selected epoch <= 1: no later epoch beat it on validation R@1): spc_r seed 0 "
+            "(test R@1 0.1900, val 0.3900).") in text
+    assert "Kept the head warm-up" not in report.regime_section(DATA)  # no best_epoch recorded: nothing said
+
+
 def test_a_variant_with_one_seed_is_not_judged():
     one = {**DATA, "runs": [r for r in DATA["runs"] if r["method"] != "rho" or r["seed"] == 0]}
     assert "- rho vs margin: 1 seed(s), too few to compare." in report.regime_section(one)
