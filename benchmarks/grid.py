@@ -179,10 +179,13 @@ def run_one(overrides: list[str], threads: int, params_file: Path) -> dict[str, 
             **({"variants": variants} if variants else {})}
 
 
-def with_variants(run: dict[str, Any]) -> list[dict[str, Any]]:
-    """The run, then a run of its own for each row a regime derives from its training (the plain embedding under
-    the refiner, the MPN at test time): same dataset, batch, seed and cost, so the pairing by seed holds."""
-    variants = run.pop("variants", {})
+def with_variants(run: dict[str, Any], derived: dict[str, str]) -> list[dict[str, Any]]:
+    """The run, then a run of its own for each row the regime derives from this method's training (`derived`:
+    row -> source method; the plain embedding under the refiner, the MPN at test time): same dataset, batch,
+    seed and cost, so the pairing by seed holds. Another job's copy of a row (a refiner variant's plain
+    embedding) is dropped: one row per seed."""
+    variants = {name: values for name, values in run.pop("variants", {}).items()
+                if derived.get(name) == run["method"]}
     shared = {k: run[k] for k in ("dataset", "batch", "seed", "git_commit", "train_s", "loadavg_before",
                                   "loadavg_after") if k in run}
     return [run, *({**shared, **values, "method": name, "derived_from": run["method"]}
@@ -355,7 +358,7 @@ def main(argv: list[str]) -> int:
                     run = {**key, **future.result(), "git_commit": result["machine"]["git_commit"]}
                 except Exception as exc:  # one failed configuration must not lose the others
                     run = {**key, "error": f"{type(exc).__name__}: {exc}"}
-                result["runs"] += with_variants(run)
+                result["runs"] += with_variants(run, regime.derived if regime else {})
                 result["table"] = aggregate(result["runs"], list(table))  # every method with runs, --resume too
                 result["elapsed_s"] = round(time.perf_counter() - started, 1)
                 result["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -27,7 +27,7 @@ def test_a_run_with_variants_becomes_paired_runs_of_its_own():
     run = {"dataset": "glyphs", "method": "refined", "batch": 64, "seed": 2, "recall@1": 0.30, "map@r": 0.12,
            "val_recall@1": 0.55, "train_s": 80.0, "git_commit": "abc", "refine_epoch": 3,
            "variants": {"plain": {"recall@1": 0.25, "map@r": 0.10, "val_recall@1": 0.50}}}
-    refined, plain = with_variants(run)
+    refined, plain = with_variants(run, REGIMES["refine"].derived)
     assert "variants" not in refined and refined["recall@1"] == 0.30
     assert plain == {"dataset": "glyphs", "batch": 64, "seed": 2, "git_commit": "abc", "train_s": 80.0,
                      "recall@1": 0.25, "map@r": 0.10, "val_recall@1": 0.50, "method": "plain",
@@ -39,5 +39,11 @@ def test_a_run_with_variants_becomes_paired_runs_of_its_own():
 def test_a_derived_row_without_a_validation_number_has_none():
     run = {"dataset": "omniglot", "method": "mpn", "batch": 54, "seed": 0, "recall@1": 0.5, "map@r": 0.2,
            "val_recall@1": 0.7, "train_s": 10.0, "variants": {"mpn_test_time": {"recall@1": 0.52, "map@r": 0.21}}}
-    rows = aggregate(with_variants(run), ["mpn", "mpn_test_time"])
+    rows = aggregate(with_variants(run, REGIMES["mpn"].derived), ["mpn", "mpn_test_time"])
     assert "val_recall@1" in rows[0] and "val_recall@1" not in rows[1]  # never the MPN model's plain val R@1
+
+
+def test_a_row_derived_from_another_method_is_not_copied_from_each_job():
+    run = {"dataset": "glyphs", "method": "refined_light", "batch": 64, "seed": 0, "recall@1": 0.3,
+           "variants": {"plain": {"recall@1": 0.25}}}
+    assert with_variants(run, REGIMES["refine"].derived) == [{k: v for k, v in run.items() if k != "variants"}]

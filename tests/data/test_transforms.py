@@ -26,3 +26,9 @@ def test_training_pipeline_uses_randaugment_and_erasing_and_gives_the_size():
     torch.manual_seed(0)
     outs = [transform(gray) for _ in range(4)]
     assert all(o.shape == (3, 24, 24) for o in outs)
+
+
+def test_light_training_views_crop_and_flip_only():
+    text = repr(build_transform(24, training=True, mean=MEAN, std=STD, augment="light"))
+    assert "RandomResizedCrop" in text and "RandomHorizontalFlip" in text and "scale=(0.5, 1.0)" in text
+    assert "RandAugment" not in text and "RandomErasing" not in text and "ColorJitter" not in text

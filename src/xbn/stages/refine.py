@@ -2,8 +2,8 @@
 
 What the refiner trains on: augmented views of the training split. `models/model.pt` embeds the training
 images `refine.views` times through the training transform (random crop, flip, RandAugment, erasing: the
-augmentation the backbone trained with), and each view's neighbourhoods are found within that view. Why: the
-backbone fits the training split, so the eval-transform embeddings of training images sit in near-pure class
+augmentation the backbone trained with; `refine.views_augment: light`: crop and flip only), and each view's
+neighbourhoods are found within that view. Why: the backbone fits the training split, so the eval-transform embeddings of training images sit in near-pure class
 clusters (their leave-one-out R@1 is far above val's) and the refiner sees only neighbourhoods that need no
 correction; it then learns the identity and epoch 0 is kept. Augmented views spread those clusters and mix
 in other classes' neighbours, as unseen test classes do, and every view is new data. The alternatives were
@@ -70,7 +70,7 @@ def refine(params: Params) -> dict:
         if frame.empty:
             return None
         transform = build_transform(params.data.image_size, training=training, mean=data_config["mean"],
-                                    std=data_config["std"])
+                                    std=data_config["std"], augment=cfg.views_augment)
         loader = image_loader(frame, params.data.root, frame["label"].map(codes).to_numpy(), transform,
                               params.eval.batch_size, params.data.num_workers, device)
         emb, labels = embed(model, loader, device, params.train.amp)
@@ -156,7 +156,7 @@ def fit_refiner(params: Params, train_views: TrainSet | Sequence[TrainSet], val_
     else:
         served = cfg.serve
     return {"enabled": True, "k": cfg.k, "epoch": best_epoch, "served": served, "refiner": refiner,
-            "views": len(train_views), "train_plain_recall@1": train_plain,
+            "views": len(train_views), "views_augment": cfg.views_augment, "train_plain_recall@1": train_plain,
             "val_plain_recall@1": plain, "val_refined_recall@1": best_score, "history": history}
 
 
