@@ -67,10 +67,11 @@ def test_disabled_is_a_marker_then_enabled_refines_and_evaluate_reports_it(tiny_
     with pytest.raises(ValueError, match="xbn refine"):
         evaluate_refined(on, x, [0, 1] * 4, None, None, "models/last.pt")
 
-    # Lightly augmented views (crop and flip): recorded, and trained on the same way.
-    light = refine(tiny_params(*REFINE, "refine.views_augment=light"))
-    assert light["views_augment"] == "light" and scores["views_augment"] == "full"
-    assert json.loads(Path("metrics/refine.json").read_text())["views_augment"] == "light"
+    # Views with the backbone's full augmentation recipe (the default is light: crop and flip): recorded, and
+    # trained on the same way.
+    full = refine(tiny_params(*REFINE, "refine.views_augment=full"))
+    assert full["views_augment"] == "full" and scores["views_augment"] == "light"
+    assert json.loads(Path("metrics/refine.json").read_text())["views_augment"] == "full"
 
 
 def test_dvc_graph_runs_refine_between_train_and_evaluate(tmp_path):

@@ -294,9 +294,9 @@ class RefineConfig(Section):
     # Augmented passes over the training split the refiner trains on (stages/refine.py says why); 0: one
     # eval-transform pass.
     views: int = Field(2, ge=0)
-    # The views' augmentation: full (the backbone's training recipe) or light (crop and flip only; closer to
-    # the evaluation images). data/transforms.build_transform.
-    views_augment: Literal["full", "light"] = "full"
+    # The views' augmentation: light (crop and flip only; closer to the evaluation images) or full (the backbone's
+    # training recipe). Light by the refine regime (docs/benchmarks.md section 9): higher val R@1 on both sets.
+    views_augment: Literal["full", "light"] = "light"
     heads: int = Field(4, ge=1)  # must divide model.embedding_dim
     epochs: int = Field(20, ge=0)
     lr: float = Field(1e-3, gt=0.0, le=10.0)

@@ -1,9 +1,13 @@
 """Stage `refine`: train the neighbourhood-context refiner (`xbn.models.refiner`) on frozen embeddings.
 
 What the refiner trains on: augmented views of the training split. `models/model.pt` embeds the training
-images `refine.views` times through the training transform (random crop, flip, RandAugment, erasing: the
-augmentation the backbone trained with; `refine.views_augment: light`: crop and flip only), and each view's
-neighbourhoods are found within that view. Why: the backbone fits the training split, so the eval-transform embeddings of training images sit in near-pure class
+images `refine.views` times through a training transform (`refine.views_augment`: light, a random crop of half
+the image or more and a flip; full, the backbone's own recipe with RandAugment and erasing), and each view's
+neighbourhoods are found within that view. Light is the default: under the full recipe the views' R@1 was
+0.09-0.13 against val's 0.59-0.82 (glyphs, Omniglot), neighbourhoods nothing like test time, and the refiner
+never beat the identity on Omniglot; light views (R@1 0.25-0.40) gave the higher val R@1 on both sets
+(`python -m benchmarks grid --regime refine`, docs/benchmarks.md section 9). Why views at all: the backbone
+fits the training split, so the eval-transform embeddings of training images sit in near-pure class
 clusters (their leave-one-out R@1 is far above val's) and the refiner sees only neighbourhoods that need no
 correction; it then learns the identity and epoch 0 is kept. Augmented views spread those clusters and mix
 in other classes' neighbours, as unseen test classes do, and every view is new data. The alternatives were
