@@ -155,6 +155,7 @@ def run_one(overrides: list[str], threads: int, params_file: Path) -> dict[str, 
     summary = fit(params, progress=False)
     train_s = time.perf_counter() - started
     variants: dict[str, dict[str, Any]] = {}
+    extra: dict[str, Any] = {}
     if params.refine.enabled:  # seed 001: the refiner on this run's backbone; the run's row is the refined one
         from xbn.stages.refine import refine
 
@@ -163,13 +164,13 @@ def run_one(overrides: list[str], threads: int, params_file: Path) -> dict[str, 
         variants["plain"] = {"recall@1": metrics["recall@1"], "map@r": metrics["map@r"],
                              "val_recall@1": refined["val_plain_recall@1"]}
         summary["best_val_recall@1"] = refined["val_refined_recall@1"]
-        metrics = {**metrics, **metrics.pop("refined"), "refine_epoch": refined["epoch"],
-                   "refine_served": refined["served"], "refine_train_views_recall@1": refined["train_plain_recall@1"]}
+        metrics = {**metrics, **metrics.pop("refined")}
+        extra = {"refine_epoch": refined["epoch"], "refine_served": refined["served"],
+                 "refine_train_views_recall@1": refined["train_plain_recall@1"]}
     else:
         metrics = evaluate(params)
     if "mpn" in metrics:  # Intra-Batch at test time, over the expanded k-reciprocal neighbourhoods
         variants["mpn_test_time"] = {k: metrics["mpn"][k] for k in ("recall@1", "map@r")}
-    extra = {k: metrics[k] for k in ("refine_epoch", "refine_served", "refine_train_views_recall@1") if k in metrics}
     return {"recall@1": metrics["recall@1"], "map@r": metrics["map@r"], "recall@4": metrics.get("recall@4"),
             "rho_spectrum": metrics.get("rho_spectrum"),
             "nmi": metrics.get("nmi"), "val_recall@1": summary["best_val_recall@1"],
@@ -320,8 +321,6 @@ def main(argv: list[str]) -> int:
     }
     done = {(r["dataset"], r["method"], r["batch"], r["seed"]) for r in result["runs"]}
     scheduled = regime.scheduled(args.methods) if regime else args.methods
-    # The table's rows: those asked for, and the rows the scheduled jobs derive (regimes.Regime.derived).
-    args.methods = [m for m in table if m in args.methods or regime and regime.derived.get(m) in scheduled]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="xbn_grid_") as tmp:
         work = Path(tmp)

@@ -45,10 +45,8 @@ MEMVIR_BASE = [
     "memory.method=none", "loss.name=NormalizedSoftmaxLoss", "loss.params={}", "loss.miner=null",
     "train.lr_gamma=1", "train.warmup_epochs=1", "train.epochs=40",
 ]
-# Intra-Batch's batch is applied by the config when model.mpn is on (6 x 9 for glyphs, Omniglot: CUB's); the
-# baseline is given the same batch explicitly.
-MPN_BATCH = ["train.samples_per_class=9"]
-MPN_BASE = ["memory.method=none", "loss.miner=null", *MPN_BATCH]
+# Intra-Batch's batch (CUB's 6 x 9, which glyphs and Omniglot take): 9 images a class here, 54 from `batches`.
+MPN_BASE = ["memory.method=none", "loss.miner=null", "train.samples_per_class=9"]
 MEMVIR_WARMUP_EPOCHS = 20
 MEMVIR_STEP_GAP = 10
 MEMVIR_CURRICULUM_EPOCHS = 12  # epochs over which the virtual steps climb to N
