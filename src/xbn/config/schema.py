@@ -64,6 +64,9 @@ class DataConfig(Section):
     split_seed: int = Field(0, ge=0)
     image_size: int = Field(64, ge=16)
     num_workers: int = Field(2, ge=0)
+    # dvc: the retrain flow tracks data.root with DVC and pushes it to the DVC remote before training (the
+    # md5 is the data fingerprint; `xbn data restore` brings any version's images back); none: not versioned.
+    version: Literal["dvc", "none"] = "dvc"
     glyphs: GlyphsConfig = GlyphsConfig()
 
 
@@ -236,6 +239,11 @@ class TrainConfig(Section):
     channels_last: bool = True
     log_every: int = Field(10, ge=1)
     probe_size: int = Field(64, ge=2)
+    # Where the weights start: pretrained (model.pretrained's ImageNet weights, then the head warm-up and
+    # train.epochs), champion (the registry's champion, sha256-checked: train.finetune_epochs at train.lr, no
+    # warm-up) or the path of an xbn model.pt.
+    init: str = Field("pretrained", min_length=1)
+    finetune_epochs: int = Field(4, ge=0)
     checkpoint_dir: str = "models"
     metrics_dir: str = "metrics"
     sampler: SamplerConfig = SamplerConfig()
@@ -479,6 +487,38 @@ class ServeConfig(Section):
         return self
 
 
+class DriftConfig(Section):
+    """The retrain flow's drift report: the current data against the champion's (`reports/drift.{json,md}`)."""
+
+    sample: int = Field(256, ge=8)  # images per side embedded by the champion (a seeded, fixed sample)
+    permutations: int = Field(500, ge=99)  # of the MMD permutation test
+    alpha: float = Field(0.01, gt=0.0, lt=1.0)  # p below alpha: the drift is significant
+    seed: int = 0
+    # Significant drift: fine-tune the champion anyway (false), or retrain from model.pretrained (true).
+    retrain_from_pretrained: bool = False
+    report: str = "reports/drift.json"
+
+
+class NotifyConfig(Section):
+    """Who hears about the retrain flow: a failure after its retries, a promotion, a challenger held for review.
+
+    Each entry names where Apprise URLs come from, never a URL itself (they carry tokens, and params.yaml is
+    committed): `env:VAR` (an environment variable, URLs separated by spaces or commas) or `secret:BLOCK` (a
+    Prefect Secret block)."""
+
+    urls: list[str] = ["env:XBN_NOTIFY_URLS"]
+    timeout_s: float = Field(10.0, gt=0)
+
+    @field_validator("urls")
+    @classmethod
+    def _references_only(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            if not re.fullmatch(r"(env|secret):[A-Za-z_][\w.-]*", entry):
+                raise ValueError(f"'{entry}' is not env:VAR or secret:BLOCK: give the Apprise URL in an "
+                                 "environment variable or a Prefect Secret block, never in params.yaml")
+        return value
+
+
 # The `validate` stage's section shadows pydantic's deprecated `BaseModel.validate` classmethod; harmless.
 warnings.filterwarnings("ignore", message='Field name "validate"', category=UserWarning)
 
@@ -497,6 +537,8 @@ class Params(Section):
     tune: TuneConfig = TuneConfig()
     index: IndexConfig = IndexConfig()
     serve: ServeConfig = ServeConfig()
+    drift: DriftConfig = DriftConfig()
+    notify: NotifyConfig = NotifyConfig()
 
     @model_validator(mode="after")
     def _tuned_keys_exist(self):  # here, not in TuneConfig: the keys are checked against this whole schema

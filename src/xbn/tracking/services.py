@@ -21,23 +21,10 @@ from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse, urlsplit, urlunsplit
 
 from xbn.utils.errors import ServiceUnavailableError
+from xbn.utils.secrets import _DATABASE_SCHEMES, MASK, mask_secrets  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-MASK = "***"
-# scheme://user:password@host -> scheme://user:***@host; also password=... in a query string or DSN.
-_USERINFO = re.compile(r"(?P<head>[a-zA-Z][\w+.-]*://[^:/@\s]*:)(?P<secret>[^@\s]+)(?P<tail>@)")
-_KEYVALUE = re.compile(r"(?P<head>\b(?:password|passwd|pwd|secret|token)=)(?P<secret>[^&;\s]+)",
-                       re.IGNORECASE)
-_DATABASE_SCHEMES = ("postgresql", "postgres", "mysql", "mssql")
-
-
-def mask_secrets(text: str) -> str:
-    """`postgresql://u:pw@host/db` -> `postgresql://u:***@host/db` (and `password=...` -> `password=***`)."""
-    text = _USERINFO.sub(lambda m: m["head"] + MASK + m["tail"], text)
-    return _KEYVALUE.sub(lambda m: m["head"] + MASK, text)
-
 
 def redact(value: Any) -> Any:
     """`value` with every string in it passed through `mask_secrets` (mappings and lists recursively)."""

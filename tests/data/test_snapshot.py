@@ -1,0 +1,128 @@
+"""The data snapshot (issue 25): DVC tracks data.root, pushes it to the remote, and any recorded snapshot comes
+back byte for byte, also in a fresh clone that has only the remote. Real DVC, real files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from xbn.config import ConfigError
+from xbn.data.snapshot import DATA_FILES, DATA_RECORD, diff_files, diff_line, read_record, restore, snapshot
+from xbn.utils.errors import ServiceUnavailableError
+
+
+def dvc(*args: str, cwd: Path) -> None:
+    subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, check=True, capture_output=True, text=True)
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def project(tmp_path, glyph_root, tiny_params, monkeypatch):
+    """A DVC project (no git) with a local remote beside it, and the tiny glyph set copied in as a folder
+    dataset; the working directory is the project."""
+    work, remote = tmp_path / "project", tmp_path / "remote"
+    work.mkdir()
+    dvc("init", "--no-scm", "-q", cwd=work)
+    dvc("remote", "add", "-d", "store", str(remote), cwd=work)
+    shutil.copytree(glyph_root / "images", work / "data" / "catalogue")
+    monkeypatch.chdir(work)
+    return work
+
+
+def prepared(tiny_params):
+    from xbn.stages.prepare import prepare
+
+    params = tiny_params("data.dataset=folder", "data.root=data/catalogue")
+    prepare(params)
+    return params
+
+
+def test_a_snapshot_records_the_folder_and_comes_back_exactly(project, tiny_params, tmp_path):
+    params = prepared(tiny_params)
+    first = snapshot(params)
+    assert first.version == "dvc" and first.md5.endswith(".dir") and first.nfiles == len(digests(
+        project / "data/catalogue"))
+    assert read_record() == first and json.loads(DATA_RECORD.read_text())["md5"] == first.md5
+    files = pd.read_parquet(DATA_FILES)
+    assert files["md5"].notna().all() and set(files.columns) == {"path", "label", "split", "md5"}
+    v1 = digests(project / "data/catalogue")
+
+    # Two classes added, three images replaced in place (same paths, other bytes).
+    root = project / "data/catalogue"
+    classes = sorted(p for p in root.iterdir() if p.is_dir())
+    for i, source in enumerate(classes[:2]):
+        shutil.copytree(source, root / f"zz_new_{i}")
+    changed = sorted(classes[-1].iterdir())[:3]
+    for path in changed:
+        path.write_bytes(path.read_bytes() + b"\0")
+    params = prepared(tiny_params)
+    second = snapshot(params)
+    assert second.md5 != first.md5 and second.fingerprint != first.fingerprint
+    diff = diff_files(files, pd.read_parquet(DATA_FILES))
+    assert diff["classes_added"]["count"] == 2 and diff["images_changed"]["count"] == 3
+    assert diff["images_added"]["count"] == 2 * len(list(classes[0].iterdir()))
+    assert sorted(diff["images_changed"]["examples"]) == sorted(str(p.relative_to(root)) for p in changed)
+    assert "+2 classes (zz_new_0, zz_new_1)" in diff_line(diff) and "3 changed" in diff_line(diff)
+    v2 = digests(root)
+
+    # The folder is gone: each version comes back exactly, from the remote (the cache is dropped too).
+    shutil.rmtree(root)
+    shutil.rmtree(project / ".dvc" / "cache", ignore_errors=True)
+    assert restore(first.dvc_record(), tmp_path / "v1") == len(v1)
+    assert digests(tmp_path / "v1") == v1
+    restore(second.dvc_record(), tmp_path / "v2")
+    assert digests(tmp_path / "v2") == v2
+    with pytest.raises(FileExistsError, match="not empty"):
+        restore(first.dvc_record(), tmp_path / "v2")
+    assert digests(tmp_path / "v2") == v2  # refused, and untouched
+
+    # A fresh project that has only the remote's address.
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    dvc("init", "--no-scm", "-q", cwd=clone)
+    dvc("remote", "add", "-d", "store", str(tmp_path / "remote"), cwd=clone)
+    import os
+
+    os.chdir(clone)
+    restore(first.dvc_record(), clone / "restored")
+    assert digests(clone / "restored") == v1
+
+
+def test_an_unchanged_folder_keeps_its_fingerprint(project, tiny_params):
+    params = prepared(tiny_params)
+    assert snapshot(params).fingerprint == snapshot(params).fingerprint
+
+
+def test_no_remote_is_an_error_before_anything_is_tracked(project, tiny_params):
+    dvc("remote", "remove", "store", cwd=project)
+    params = prepared(tiny_params)
+    with pytest.raises(ServiceUnavailableError, match="no default remote"):
+        snapshot(params)
+    assert not (project / "data/catalogue.dvc").exists()
+
+
+def test_outside_a_dvc_project_or_outside_the_project_is_refused_with_the_way_out(tmp_path, tiny_params,
+                                                                                  glyph_root, monkeypatch):
+    params = tiny_params()  # data.root: the shared glyph set, outside tmp_path
+    from xbn.stages.prepare import prepare
+
+    prepare(params)
+    with pytest.raises(ConfigError, match="data.version: none"):
+        snapshot(params)
+    dvc("init", "--no-scm", "-q", cwd=tmp_path)
+    dvc("remote", "add", "-d", "store", str(tmp_path / "remote"), cwd=tmp_path)
+    with pytest.raises(ConfigError, match="outside the DVC project"):
+        snapshot(params)
+    unversioned = snapshot(tiny_params("data.version=none"))
+    assert unversioned.md5 is None and unversioned.fingerprint.startswith("unversioned+")
