@@ -62,6 +62,14 @@ def _registry(params: Params, args):
     return registry.rollback(params, args.reason, user=args.user)
 
 
+def _data(params: Params, args) -> dict:
+    from xbn.stages.data import restore_data, snapshot_data
+
+    if args.action == "snapshot":
+        return snapshot_data(params)
+    return restore_data(params, args.to, version=args.version, run_id=args.run)
+
+
 def _stage_prepare(params: Params, args) -> dict:
     from xbn.stages.prepare import prepare
 
@@ -209,6 +217,15 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (promote, rollback):
         p.add_argument("--user", default=None, help="who decides (default: $USER)")
     registry.set_defaults(fn=_registry)
+    data = sub.add_parser("data", parents=[common], help="the training data's DVC snapshots")
+    data_actions = data.add_subparsers(dest="action", required=True)
+    data_actions.add_parser("snapshot", help="track data.root with DVC and push it (what the retrain flow does)")
+    restore = data_actions.add_parser("restore", help="bring back the images a version or a run trained on")
+    source = restore.add_mutually_exclusive_group(required=True)
+    source.add_argument("--version", type=_positive_int, default=None, help="registry version")
+    source.add_argument("--run", default=None, metavar="RUN_ID", help="MLflow run id")
+    restore.add_argument("--to", required=True, metavar="DIR", help="a new or empty folder")
+    data.set_defaults(fn=_data)
     sub.add_parser("run", parents=[common],
                    help="prepare, validate, train, refine and evaluate in order (stops if validation fails)"
                    ).set_defaults(fn=_stage_run)

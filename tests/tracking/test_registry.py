@@ -20,7 +20,7 @@ from .helpers import METRICS, VAL_QUERIES, run_pipeline, write_eval, write_manif
 # A version's tags: what a reviewer scans across versions in the MLflow UI's versions table, where every tag
 # is a line of each version's row. Everything else belongs in the model card or on the logged model
 # (`Registry.record`): a tag added here must be worth a line in every row.
-FIRST_MODEL_TAGS = {"decision", "decided_by", "data_hash", "params_hash", "model_sha256", "served_embedding",
+FIRST_MODEL_TAGS = {"decision", "decided_by", "data_hash", "data_md5", "params_hash", "model_sha256", "served_embedding",
                     "decided_at", "reason"}
 COMPARED_TAGS = FIRST_MODEL_TAGS | {"val_recall_at_1", "gate_interval"}  # + previous_champion: it replaced
 

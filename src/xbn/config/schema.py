@@ -584,6 +584,17 @@ class Params(Section):
         self.__dict__["train"] = resolved  # not `self.train = `: assignment would re-run this validator
 
     @model_validator(mode="after")
+    def _finetune_schedule(self):
+        """A fine-tuning (train.init: champion or a path) starts from trained weights: no head warm-up, and
+        train.finetune_epochs instead of train.epochs, written into train so that the loop, the memory's start,
+        the checkpoint's params record and MLflow all see the schedule that runs."""
+        train = self.train
+        if train.init == "pretrained" or (train.warmup_epochs, train.epochs) == (0, train.finetune_epochs):
+            return self
+        self.__dict__["train"] = train.model_copy(update={"warmup_epochs": 0, "epochs": train.finetune_epochs})
+        return self
+
+    @model_validator(mode="after")
     def _memvir_fits(self):
         mv, total = self.loss.memvir, self.train.warmup_epochs + self.train.epochs
         if not mv.enabled:

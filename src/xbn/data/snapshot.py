@@ -79,6 +79,16 @@ def read_record(path: str | Path = DATA_RECORD) -> DataSnapshot | None:
     return DataSnapshot(**json.loads(path.read_text()))
 
 
+def current_record(params: Params) -> DataSnapshot | None:
+    """`reports/data.json` if it describes the data of `params` now (same root, same manifest bytes); None when
+    there is none, or it is another run's (a stale record never labels a model trained on other data)."""
+    found = read_record()
+    manifest = Path(params.data.manifest)
+    if found is None or not manifest.exists() or found.root != str(params.data.root):
+        return None
+    return found if found.manifest_md5 == file_digest(manifest, "md5") else None
+
+
 def snapshot(params: Params, push: bool = True) -> DataSnapshot:
     """Fingerprint (and, with `data.version: dvc`, version and push) the data of `params`; writes
     `reports/data.json` and `reports/data_files.parquet`. Raises ConfigError for a data.root DVC cannot track,
@@ -253,5 +263,5 @@ def diff_line(diff: Mapping[str, Any]) -> str:
     return "; ".join(parts) if parts else "no change"
 
 
-__all__ = ["DATA_FILES", "DATA_RECORD", "DataSnapshot", "diff_files", "diff_line", "read_record", "restore",
+__all__ = ["DATA_FILES", "DATA_RECORD", "DataSnapshot", "current_record", "diff_files", "diff_line", "read_record", "restore",
            "snapshot"]

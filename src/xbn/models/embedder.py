@@ -7,6 +7,7 @@ statistics and affine parameters, whatever mode the trainer puts the model in.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xbn.config import ModelConfig
+from xbn.config import ConfigError, ModelConfig
 from xbn.models.backbone import create_backbone, load_state_dict_strict
 from xbn.utils.integrity import remove_sidecar, verify_sidecar, write_sidecar
 from xbn.utils.io import save_torch
@@ -130,6 +131,37 @@ def load_embedder(
     embedder, _ = build_embedder(model_cfg.model_copy(update={"pretrained": "none", "pretrained_path": None}))
     load_state_dict_strict(embedder, checkpoint["state_dict"], str(path))
     return embedder.to(map_location).eval(), dict(checkpoint["data_config"]), checkpoint
+
+
+@dataclass(frozen=True)
+class InitialWeights:
+    """The trained weights a fine-tuning starts from (`train.init`): an xbn model.pt whose sha256 was checked,
+    and where it came from, recorded in the model trained from it so its lineage can be followed back."""
+
+    path: Path
+    source: str  # "champion", or the path the params gave
+    sha256: str
+    version: int | None = None  # the registry version (a champion)
+
+    def check(self, model_cfg: ModelConfig) -> None:
+        """A ConfigError naming both values when the weights cannot go into the model the params describe."""
+        saved = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True).get("model") or {}
+        for key in ("backbone", "embedding_dim"):
+            if saved.get(key) != getattr(model_cfg, key):
+                raise ConfigError(f"train.init={self.source}: {self.describe()} has model.{key}={saved.get(key)!r}, "
+                                  f"the params ask for {getattr(model_cfg, key)!r}: fine-tune with the same "
+                                  f"model.{key}, or train from train.init=pretrained")
+
+    def load_into(self, embedder: Embedder, model_cfg: ModelConfig) -> None:
+        self.check(model_cfg)
+        checkpoint = torch.load(self.path, map_location="cpu", weights_only=True)
+        load_state_dict_strict(embedder, checkpoint["state_dict"], str(self.path))
+
+    def describe(self) -> str:
+        return f"v{self.version} ({self.path})" if self.version is not None else str(self.path)
+
+    def record(self) -> dict[str, Any]:
+        return {"from": self.source, "version": self.version, "model_sha256": self.sha256}
 
 
 def _check_plain(value: Any, where: str) -> None:

@@ -21,7 +21,8 @@ KEY_PARAMS = ("data.dataset", "data.image_size", "model.backbone", "model.pretra
 GATE_INTERVAL_TAG = "gate_interval"  # the comparison in short: `+0.0120 [-0.0040, +0.0290] vs v2`
 # A version's tags are what a reviewer scans across versions in the MLflow UI's versions table, in the order
 # it lists them: `decision`, `decided_by`, the gate's result when compared (`val_recall_at_1`,
-# `gate_interval`), `data_hash`, `params_hash`, `model_sha256`, `served_embedding`, then `decided_at` and
+# `gate_interval`), `data_hash`, `data_md5` (DVC), `parent_version` (a fine-tuning), `params_hash`,
+# `model_sha256`, `served_embedding`, then `decided_at` and
 # `reason`; `previous_champion` is added when the version replaces a champion. Everything else is in the model
 # card and on the logged model (`Registry.record`). The set is pinned by tests/tracking/test_registry.py.
 
@@ -48,6 +49,7 @@ def review_table(params: Params, champion: ModelVersionInfo | None, other: Model
     rows += [("created", [_cell(info, lambda i: i.created_at) for _, info in columns])]
     rows += [(_mark(n, cfg), [metric_cell(info, n) for _, info in columns]) for n in names]
     for label, key, n in (("params hash", "params_hash", 12), ("data hash", "data_hash", 12),
+                          ("data md5 (DVC)", "data_md5", 12), ("parent version", "parent_version", 40),
                           ("model sha256", "model_sha256", 12), ("decision", "decision", 40),
                           ("decided by", "decided_by", 40), ("decided at", "decided_at", 40),
                           ("previous champion", "previous_champion", 40)):
@@ -110,7 +112,7 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
               f"{params.data.dataset} at `{params.data.root}`: promotion decided on split "
               f"`{cfg.gate_split}`, reported on split `{params.eval.split}`; manifest "
               f"`{params.data.manifest}` md5 "
-              f"`{version.tags.get('data_hash')}`{same}.",
+              f"`{version.tags.get('data_hash')}`{same}.", "", *data_lines(version),
               "", "## Key params", *(f"- `{k}`: {flat[k]}" for k in KEY_PARAMS if k in flat),
               f"- params hash: `{version.tags.get('params_hash')}`",
               f"- git commit: `{summary['tags'].get('git_commit', 'unknown')}`",
@@ -124,6 +126,21 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
     lines.append(f"- retrieval grid: {summary['artifact_uri']}/{grid}" if grid in summary["artifacts"]
                  else "- retrieval grid: not logged for this run")
     return "\n".join(lines) + "\n"
+
+
+def data_lines(version: ModelVersionInfo) -> list[str]:
+    """The model card's lines on the data snapshot and the model's parent."""
+    md5 = version.tags.get("data_md5", "unknown")
+    if md5 == "unversioned":
+        lines = ["Images: not versioned (data.version: none): they cannot be restored from a snapshot."]
+    elif md5 == "unknown":
+        lines = ["Images: no DVC snapshot was taken for this run (the retrain flow takes one)."]
+    else:
+        lines = [f"Images: DVC md5 `{md5}` (the `.dvc` record is in the run's `data/` artifacts). Restore them "
+                 f"from the DVC remote with `xbn data restore --version {version.version} --to <empty folder>`."]
+    if parent := version.tags.get("parent_version"):
+        lines.append(f"Fine-tuned from {'v' + parent if parent.isdigit() else parent} (train.init).")
+    return lines
 
 
 def gate_tags(comparison: Comparison | None) -> dict[str, str]:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from xbn.config import Params
+from xbn.data.snapshot import current_record, diff_files, diff_line
 from xbn.stages.model_card import gate_tags, history_lines, model_card, review_table
 from xbn.stages.promotion import CHALLENGER, CHAMPION, GATE, Gate, make_champion, rollback_target
 from xbn.tracking import (
@@ -47,7 +48,8 @@ from xbn.tracking import (
 )
 from xbn.tracking.history import append_history, read_history
 from xbn.tracking.services import check_reachable
-from xbn.tracking.registry import SERVED_TAG, SHA_TAG, log_refiner
+from xbn.tracking.registry import PARENT_TAG, SERVED_TAG, SHA_TAG, log_refiner
+from xbn.tracking.runs import DATA_MD5_TAG
 from xbn.utils.errors import RegistryError
 from xbn.utils.integrity import verify_sidecar
 from xbn.utils.io import write_json
@@ -81,6 +83,7 @@ def register(params: Params) -> dict:
         return _write_report(params, registry, existing, compared=None, already_registered=True)
 
     data = data_hash(params) or "unknown"
+    lineage = {DATA_MD5_TAG: data_md5(params), **parent_tags(checkpoint)}
     gate = Gate(params, checkpoint)
     with pipeline_run(params, "register") as run:
         # The slow parts outside the lock: logging the model, embedding the val split with both models.
@@ -104,7 +107,7 @@ def register(params: Params) -> dict:
                             gate=comparison.as_dict() if comparison else None)
             stamp = _stamp(decision.decision, decision.reason, GATE)
             tags = {"decision": stamp.pop("decision"), "decided_by": stamp.pop("decided_by"),
-                    **gate_tags(comparison), "data_hash": data, "params_hash": params_hash(params),
+                    **gate_tags(comparison), "data_hash": data, **lineage, "params_hash": params_hash(params),
                     SHA_TAG: sha, SERVED_TAG: served, **stamp}
             version = registry.create(model_uri, tags).version
             registry.set_alias(CHALLENGER, version)
@@ -150,6 +153,46 @@ def rollback(params: Params, reason: str, user: str | None = None) -> dict:
 
 
 # -- helpers -----------------------------------------------------------------------------------------------
+def data_md5(params: Params) -> str:
+    """DVC's md5 of the data the model trained on (`reports/data.json`, when it describes the current data):
+    `unversioned` with data.version: none, `unknown` when no snapshot was taken (`dvc repro`, `xbn run`)."""
+    found = current_record(params)
+    if found is None:
+        return "unknown"
+    return found.md5 or "unversioned"
+
+
+def parent_tags(checkpoint: Path) -> dict[str, str]:
+    """`parent_version` for a model fine-tuned from a registry version (model.pt records where it started)."""
+    import torch
+
+    init = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True).get("init") or {}
+    if init.get("version") is not None:
+        return {PARENT_TAG: str(init["version"])}
+    return {PARENT_TAG: Path(str(init["from"])).name} if init.get("from") else {}
+
+
+def data_changes(params: Params, registry: Registry, before: ModelVersionInfo | None,
+                 after: ModelVersionInfo | None) -> str | None:
+    """What changed between two versions' training data, from the snapshots their runs recorded: one line of
+    counts and examples, or why it cannot be said."""
+    import tempfile
+
+    if before is None or after is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        old = registry.data_snapshot(before.run_id, Path(tmp) / "before")
+        new = registry.data_snapshot(after.run_id, Path(tmp) / "after")
+    missing = [f"v{v.version}" for v, found in ((before, old), (after, new)) if found is None]
+    if missing:
+        return f"data v{before.version} -> v{after.version}: no data snapshot recorded for {', '.join(missing)}"
+    diff = diff_files(old[1], new[1])
+    same = "same data" if old[0].get("md5") == new[0].get("md5") and old[0].get("manifest_md5") == \
+        new[0].get("manifest_md5") else diff_line(diff)
+    caveat = "" if diff["content_compared"] else " (paths and labels only: a side is unversioned)"
+    return f"data v{before.version} -> v{after.version}: {same}{caveat}"
+
+
 def review(params: Params) -> str:
     """A side-by-side text table of the champion and the challenger (or, without a challenger, the champion a
     rollback would restore): metrics with differences, hashes, dates and decision
@@ -166,7 +209,9 @@ def review(params: Params) -> str:
             pass
     if champion is None and challenger is None:
         return f"{params.registry.model_name}: no champion and no challenger registered yet"
-    return review_table(params, champion, challenger, other_title) + "\n" + history_lines(history, REVIEW_HISTORY)
+    changes = data_changes(params, registry, champion, challenger)
+    return (review_table(params, champion, challenger, other_title) + ("\n" + changes if changes else "") + "\n"
+            + history_lines(history, REVIEW_HISTORY))
 
 
 def _write_report(params: Params, registry: Registry, info: ModelVersionInfo,
@@ -188,6 +233,8 @@ def _write_report(params: Params, registry: Registry, info: ModelVersionInfo,
         "compared_with": {"version": compared.version, "metrics": compared.metrics} if compared else None,
         "previous_champion": int(previous) if previous else None,
         "data_hash": info.tags.get("data_hash"),
+        "data_md5": info.tags.get(DATA_MD5_TAG),
+        "parent_version": info.tags.get(PARENT_TAG),
         "params_hash": info.tags.get("params_hash"),
         "model_sha256": info.tags.get(SHA_TAG),
         "run_id": info.run_id,

@@ -8,25 +8,68 @@ rank 0's.
 
 from __future__ import annotations
 
-from xbn.config import Params
+import logging
+from pathlib import Path
+
+from xbn.config import ConfigError, Params
+from xbn.models import InitialWeights
 from xbn.training import EpochCallback, fit
 from xbn.utils import distributed
 from xbn.utils.runtime import resolve_device
+
+log = logging.getLogger(__name__)
 
 
 def train(params: Params, resume: bool = False, progress: bool = True, params_file: str = "params.yaml",
           on_epoch: EpochCallback | None = None, flow_run_id: str | None = None) -> dict:
     """`flow_run_id`: the retrain flow run calling (recorded in the checkpoint; see `Trainer`)."""
     with distributed.process_group(resolve_device(params.train.device).type):
+        # A resumed fine-tuning continues from last.pt, which records where its weights started.
+        init = None if resume else initial_weights(params)
         if not distributed.is_main():
-            return fit(params, resume=resume, progress=False)
+            return fit(params, resume=resume, progress=False, init=init)
         if not params.tracking.enabled:
-            return fit(params, resume=resume, progress=progress, on_epoch=on_epoch, flow_run_id=flow_run_id)
-        return _tracked(params, resume, progress, params_file, on_epoch, flow_run_id)
+            return fit(params, resume=resume, progress=progress, on_epoch=on_epoch, flow_run_id=flow_run_id,
+                       init=init)
+        return _tracked(params, resume, progress, params_file, on_epoch, flow_run_id, init)
+
+
+def initial_weights(params: Params) -> InitialWeights | None:
+    """The weights `train.init` names, downloaded and sha256-checked: None for `pretrained`; the registry's
+    champion (verified against its version's `model_sha256` tag, as serving does); or an xbn model.pt (against
+    its sidecar). A ConfigError when there is none, or when its backbone or embedding size differs from the
+    params'."""
+    from xbn.utils.integrity import verify_sidecar
+    from xbn.utils.io import file_digest
+
+    init = params.train.init
+    if init == "pretrained":
+        return None
+    if init == "champion":
+        from xbn.tracking import Registry
+
+        if not params.tracking.enabled:
+            raise ConfigError("train.init=champion reads the registry: it needs tracking.enabled=true")
+        registry = Registry(params)
+        champion = registry.by_alias("champion")
+        if champion is None:
+            raise ConfigError(f"train.init=champion, but {params.registry.model_name} has no champion yet: "
+                              "train the first version with train.init=pretrained")
+        dst = Path(params.train.checkpoint_dir) / "init" / f"v{champion.version}"
+        path = registry.checkpoint(champion, dst).path
+        weights = InitialWeights(path, "champion", file_digest(path), champion.version)
+    else:
+        path = Path(init)
+        if not path.is_file():
+            raise ConfigError(f"train.init={init}: no such file (pretrained, champion or the path of a model.pt)")
+        weights = InitialWeights(path, init, verify_sidecar(path))
+    weights.check(params.model)
+    log.info("fine-tuning %s for %d epochs (train.init=%s)", weights.describe(), params.train.epochs, init)
+    return weights
 
 
 def _tracked(params: Params, resume: bool, progress: bool, params_file: str, on_epoch: EpochCallback | None,
-             flow_run_id: str | None) -> dict:
+             flow_run_id: str | None, init: InitialWeights | None) -> dict:
     from xbn.tracking import epoch_logger, log_training, pipeline_run, tracking_uri
     from xbn.tracking.services import check_reachable
 
@@ -40,9 +83,9 @@ def _tracked(params: Params, resume: bool, progress: bool, params_file: str, on_
             if on_epoch:
                 on_epoch(epoch, row)
 
-        summary = fit(params, resume=resume, progress=progress, on_epoch=both, flow_run_id=flow_run_id)
+        summary = fit(params, resume=resume, progress=progress, on_epoch=both, flow_run_id=flow_run_id, init=init)
         log_training(params, run, params_file)
     return summary
 
 
-__all__ = ["train"]
+__all__ = ["initial_weights", "train"]

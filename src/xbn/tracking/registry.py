@@ -36,7 +36,8 @@ from xbn.utils.errors import IntegrityError
 from xbn.utils.integrity import verify_file, write_sidecar
 from xbn.tracking.locks import DEFAULT_TIMEOUT_S, registry_lock
 from xbn.tracking.pyfunc import CHECKPOINT_ARTIFACT
-from xbn.tracking.runs import PipelineRun, configure, metric_key, metric_name
+from xbn.data.snapshot import DATA_FILES, DATA_RECORD
+from xbn.tracking.runs import DATA_ARTIFACTS, PipelineRun, configure, metric_key, metric_name
 
 METRIC_TAG_PREFIX = "metric."  # versions registered before: a version tag per metric (read, not written)
 GATE_TAG = "gate"  # the gate's comparison as JSON: a tag of the logged model (of the version, before)
@@ -62,6 +63,7 @@ class ModelVersionInfo:
 
 
 SERVED_TAG = "served_embedding"  # plain | refined (seed 001's context refiner on top of the embedder)
+PARENT_TAG = "parent_version"  # the version a fine-tuned model started from (train.init: champion)
 SHA_TAG = "model_sha256"  # the checkpoint's sha256, recorded in the tracking store with the version
 # What serves the version, logged on its logged model after registration (stage `index`, `xbn export`): the
 # catalogue index folder under `index/` and the ONNX file under `onnx/`. Their sha256 go to version tags, kept in
@@ -207,6 +209,23 @@ class Registry:
             tracking_uri=self.uri))
         verify_file(path / INDEX_META, expected, what=f"the index of {self.name} v{version.version}")
         return path
+
+    def data_snapshot(self, run_id: str | None, dst_dir: str | Path) -> tuple[dict, Any] | None:
+        """The data snapshot a training run recorded (`log_data`): its JSON and its per-image table (a pandas
+        DataFrame), downloaded into `dst_dir`; None for a run that recorded none (before xbn did, or untracked)."""
+        import pandas as pd
+
+        if not run_id:
+            return None
+        try:
+            folder = Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=DATA_ARTIFACTS,
+                                                              dst_path=str(dst_dir), tracking_uri=self.uri))
+        except (MlflowException, OSError):
+            return None
+        record, files = folder / DATA_RECORD.name, folder / DATA_FILES.name
+        if not record.exists() or not files.exists():
+            return None
+        return json.loads(record.read_text()), pd.read_parquet(files)
 
     def log_onnx(self, version: ModelVersionInfo, path: str | Path) -> None:
         """Attach the ONNX export of `version`'s embedder (under `onnx/`), its sha256 as a version tag."""

@@ -28,11 +28,15 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+import mlflow.data
+import pandas as pd
+import yaml
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from xbn.config import Params, flatten
+from xbn.data.snapshot import DATA_FILES, DATA_RECORD, DataSnapshot, current_record
 from xbn.tracking import pyfunc
 from xbn.tracking.fingerprints import data_hash, file_digest, git_commit, params_hash
 from xbn.tracking.plots import plot_training
@@ -47,6 +51,8 @@ PLOTS_DIR = Path("plots")
 RETRIEVAL_GRID = PLOTS_DIR / "retrieval_grid.png"
 MODEL_NAME = "model"  # the pyfunc's name inside the run
 MODEL_URI_TAG, MODEL_SHA_TAG = "xbn.model_uri", "model_sha256"
+DATA_ARTIFACTS = "data"  # the run's data snapshot: data.json, data_files.parquet, <folder>.dvc
+DATA_MD5_TAG = "data_md5"  # DVC's md5 of data.root ("unversioned" with data.version: none)
 
 
 @dataclass(frozen=True)
@@ -169,7 +175,30 @@ def log_training(params: Params, run: PipelineRun, params_file: str | Path = "pa
     for report in (params.validate.report, params.validate.report_text):
         if Path(report).exists():
             client.log_artifact(run.run_id, report, "validation")
+    log_data(params, run)
     return {"model_uri": log_model(params, run), "plots": [str(p) for p in plots]}
+
+
+def log_data(params: Params, run: PipelineRun) -> DataSnapshot | None:
+    """Record the data snapshot the run trained on (`xbn.data.snapshot`), when there is one for this data: the
+    per-image table as the run's MLflow dataset input (source: the manifest; digest: DVC's md5), and under
+    `data/` the `.dvc` record (what `xbn data restore` writes back), the snapshot's JSON and the table itself."""
+    found = current_record(params)
+    if found is None:
+        return None
+    client = Retrying(MlflowClient(run.tracking_uri))
+    files = pd.read_parquet(DATA_FILES)
+    dataset = mlflow.data.from_pandas(files, source=str(Path(params.data.manifest).resolve()),
+                                      name=f"{params.data.dataset}:{Path(params.data.root).name}",
+                                      digest=(found.md5 or found.manifest_md5)[:32])
+    mlflow.log_input(dataset, context="training")  # the active run: the stage's `with pipeline_run(...)`
+    client.log_artifact(run.run_id, str(DATA_RECORD), DATA_ARTIFACTS)
+    client.log_artifact(run.run_id, str(DATA_FILES), DATA_ARTIFACTS)
+    if record := found.dvc_record():
+        client.log_text(run.run_id, yaml.safe_dump(record, sort_keys=False),
+                        f"{DATA_ARTIFACTS}/{record['outs'][0]['path']}.dvc")
+    client.set_tag(run.run_id, DATA_MD5_TAG, found.md5 or "unversioned")
+    return found
 
 
 def log_evaluation(params: Params, run: PipelineRun, grid_png: str | Path | None = None) -> dict[str, float]:

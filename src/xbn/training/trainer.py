@@ -43,7 +43,7 @@ from xbn.data.samplers import build_batch_sampler
 from xbn.evaluation.embed import autocast, evaluate_split, image_loader
 from xbn.evaluation.embed import embed as embed_images
 from xbn.training.criterion import Criterion, build_criterion
-from xbn.models import build_embedder, save_embedder
+from xbn.models import InitialWeights, build_embedder, save_embedder
 from xbn.models.mpn import save_mpn
 from xbn.training.batches import RankBatchSampler, RequestedBatches, SeededSamples
 from xbn.training.diagnostics import FeatureDrift
@@ -117,7 +117,7 @@ class Trainer:
     the flow resumes only its own checkpoint); None outside a flow run."""
 
     def __init__(self, params: Params, progress: bool = True, on_epoch: EpochCallback | None = None,
-                 flow_run_id: str | None = None):
+                 flow_run_id: str | None = None, init: InitialWeights | None = None):
         self.params, self.progress, self.on_epoch = params, progress, on_epoch
         self.flow_run_id = None if flow_run_id is None else str(flow_run_id)
         p = params
@@ -139,6 +139,10 @@ class Trainer:
         train_labels = encode_labels(train_frame["label"])
 
         self.model, self.data_config = build_embedder(p.model)
+        # Where the weights started, recorded in model.pt (a resumed run reads it back from last.pt).
+        self.init_record = init.record() if init else None
+        if init is not None:  # a fine-tuning: trained weights replace model.pretrained's
+            init.load_into(self.model, p.model)
         if self.world_size > 1 and not p.model.freeze_bn:
             if self.device.type == "cuda":  # batch statistics over the global batch, as in one process
                 self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
@@ -252,6 +256,7 @@ class Trainer:
             "params_hash": params_hash(self.params),
             "params": params_record(self.params),
             "flow_run_id": self.flow_run_id,
+            "init": self.init_record,
             "epoch": self.epoch,
             "iteration": self.iteration,
             "model": self.model.state_dict(),
@@ -285,6 +290,7 @@ class Trainer:
             if self.scheduler and state["scheduler"]:
                 self.scheduler.load_state_dict(state["scheduler"])
         self.criterion.load_state_dict(state["criterion"])
+        self.init_record = state.get("init")
         self.drift.load_state_dict(state["drift"])
         if state.get("sampler") is not None and hasattr(self.batches, "load_state_dict"):
             self.batches.load_state_dict(state["sampler"])  # the embedded samplers' bank
@@ -341,6 +347,9 @@ class Trainer:
 
     def fit(self) -> dict:
         start = time.perf_counter()
+        if self.epoch == 0 and self.params.train.init != "pretrained" and self.init_record is None:
+            raise ValueError(f"train.init={self.params.train.init}: the weights to start from were not resolved "
+                             "(the train stage resolves them: `xbn train`, or pass `init=` to fit)")
         if self.epoch == 0 and not self.history.epochs:
             initial = self._validate_on_main()
             self.history.epochs.append({"epoch": 0, "loss": float("nan"), **initial})
@@ -365,7 +374,7 @@ class Trainer:
             if self.is_main:
                 if best:
                     save_embedder(self.checkpoint_dir / "model.pt", self.model, self.params.model,
-                                  self.data_config, {"epoch": self.epoch, "metrics": row})
+                                  self.data_config, {"epoch": self.epoch, "metrics": row, **self._lineage()})
                     self._save_mpn()
                 save_torch(self.checkpoint_dir / "last.pt", self._state())
                 self._write_metrics(time.perf_counter() - start)
@@ -375,11 +384,16 @@ class Trainer:
         # Zero epochs: the untrained model is the model.
         if self.is_main and not (self.checkpoint_dir / "model.pt").exists():
             save_embedder(self.checkpoint_dir / "model.pt", self.model, self.params.model, self.data_config,
-                          {"epoch": 0, "metrics": self.history.epochs[-1] if self.history.epochs else {}})
+                          {"epoch": 0, "metrics": self.history.epochs[-1] if self.history.epochs else {},
+                           **self._lineage()})
             self._save_mpn()
             self._write_metrics(time.perf_counter() - start)
         distributed.barrier()
         return self.summary()
+
+    def _lineage(self) -> dict:
+        """What model.pt says about where its weights started (the registry reads the parent version here)."""
+        return {"init": self.init_record} if self.init_record else {}
 
     def _save_mpn(self) -> None:
         # The Intra-Batch MPN of the selected epoch, for evaluate's test-time option ('disabled' marker if none).
@@ -490,8 +504,9 @@ class Trainer:
 
 
 def fit(params: Params, resume: bool = False, progress: bool = True,
-        on_epoch: EpochCallback | None = None, flow_run_id: str | None = None) -> dict:
-    trainer = Trainer(params, progress=progress, on_epoch=on_epoch, flow_run_id=flow_run_id)
+        on_epoch: EpochCallback | None = None, flow_run_id: str | None = None,
+        init: InitialWeights | None = None) -> dict:
+    trainer = Trainer(params, progress=progress, on_epoch=on_epoch, flow_run_id=flow_run_id, init=init)
     if resume:
         trainer.resume()
     summary = trainer.fit()
