@@ -1,6 +1,13 @@
-"""The scheduled retraining flow: validate -> [tune] -> train -> refine -> evaluate -> register/promote -> index.
+"""The scheduled retraining flow: prepare -> snapshot the data (DVC) -> plan -> validate -> [tune] -> train ->
+refine -> evaluate -> register/promote -> index, and notify.
 
-Every task calls one function of `xbn.stages`; no stage logic lives here. Transient failures (a service that
+Every task calls one function of `xbn.stages`; no stage logic lives here. The plan (`xbn.stages.schedule`)
+compares the data snapshot and the requested params with the champion's: nothing changed, nothing is retrained
+(the run completes in seconds, saying since which version; `--force` trains anyway); otherwise the champion is
+fine-tuned (`train.init: champion`, with a drift report of the data against the champion's), or, without a
+champion, with a model it does not fit, or on significant drift when `drift.retrain_from_pretrained`, training
+starts from pretrained weights. A failure after the retries, a promotion and a challenger held for review are
+sent to `notify.urls` (Apprise). Transient failures (a service that
 blinked, a killed worker) are retried, and a retried `train` resumes from its last checkpoint; bad data and bad
 config are not retried, since a retry cannot fix them. A retried `train` resumes only a checkpoint that this flow
 run wrote (`models/last.pt` records it): one left by another run (`make run`, an earlier flow run, other params)
@@ -12,7 +19,8 @@ study is persistent and named by the params its trials depend on, so next week's
 it, once it has `tune.trials`) instead of starting over. The tuned values go to the run (MLflow params, and tags
 `tuned_study`, `tuned_values`) and to the summary; params.yaml is not changed (`xbn tune --apply` does that).
 
-    python -m pipelines.retrain                 # one run now (ephemeral Prefect server unless PREFECT_API_URL)
+    xbn retrain                                 # one run now, from any folder (same as python -m pipelines.retrain)
+    python -m pipelines.retrain --force         # train even if nothing changed since the champion
     python -m pipelines.retrain --tune          # validate, tune, train with the best values, evaluate, register
     python -m pipelines.retrain --serve         # serve the weekly schedule from this process
     prefect deploy --all                        # or deploy prefect.yaml to a `process` work pool
@@ -24,15 +32,19 @@ import argparse
 import os
 from pathlib import Path
 
-from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NO_CACHE
-from prefect.runtime import flow_run, task_run
+# Before Prefect is imported: its ephemeral server's analytics print a "database is locked" traceback per run.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
 
-from xbn.config import ConfigError, Params
-from xbn.stages.names import load_checked
-from xbn.data import DatasetError
-from xbn.utils.errors import NonFiniteLossError
+from prefect import flow, get_run_logger, task  # noqa: E402
+from prefect.artifacts import create_markdown_artifact  # noqa: E402
+from prefect.cache_policies import NO_CACHE  # noqa: E402
+from prefect.runtime import flow_run, task_run  # noqa: E402
+
+from xbn.config import ConfigError, Params, load_params  # noqa: E402
+from xbn.data import DatasetError  # noqa: E402
+from xbn.stages.names import load_checked  # noqa: E402
+from xbn.utils.errors import NonFiniteLossError, ServiceUnavailableError  # noqa: E402
 
 DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00
 
@@ -41,7 +53,7 @@ def _transient(task, task_run_, state) -> bool:
     """Retry unless the failure is the data's or the config's fault."""
     try:
         state.result()
-    except (DatasetError, ConfigError, ValueError, NonFiniteLossError):
+    except (DatasetError, ConfigError, ValueError, NonFiniteLossError, ServiceUnavailableError):
         return False
     except Exception:  # noqa: BLE001 - anything else may be transient (I/O, a service, a killed worker)
         return True
@@ -56,6 +68,21 @@ def prepare_data(params: Params) -> dict:
     from xbn.stages.prepare import prepare
 
     return prepare(params)
+
+
+@task(**TASK_OPTIONS)
+def snapshot_data(params: Params) -> dict:
+    from xbn.stages.data import snapshot_data as snapshot
+
+    return snapshot(params)  # DVC add + push: the fingerprint the plan compares, restorable later
+
+
+@task(**TASK_OPTIONS)
+def plan_retraining(params: Params, data: dict, force: bool) -> dict:
+    from xbn.data.snapshot import DataSnapshot
+    from xbn.stages.schedule import plan
+
+    return plan(params, DataSnapshot(**data), force=force).as_dict()
 
 
 @task(**TASK_OPTIONS)
@@ -111,10 +138,10 @@ def evaluate_model(params: Params) -> dict:
 
 
 @task(**TASK_OPTIONS)
-def register_model(params: Params) -> dict:
+def register_model(params: Params, tags: dict) -> dict:
     from xbn.stages.register import register
 
-    return register(params)
+    return register(params, tags=tags)
 
 
 @task(**TASK_OPTIONS)
@@ -131,10 +158,34 @@ def tune_study(params: Params) -> dict:
     return tune(params)  # a retry continues the same persistent study
 
 
-@flow(name="xbn-retrain", log_prints=True)
+def _notify_failure(flow, run, state) -> None:
+    """The flow's on_failure hook: runs once the flow has failed, after every task's retries."""
+    from xbn.stages.notify import notify
+
+    parameters = run.parameters or {}
+    try:
+        params = load_params(parameters.get("params_path", "params.yaml"), parameters.get("overrides") or [])
+    except Exception:  # noqa: BLE001 - a bad override may be the very failure: still say so, with the defaults
+        try:
+            params = load_params(parameters.get("params_path", "params.yaml"))
+        except Exception:  # noqa: BLE001
+            params = Params()
+    notify(params, f"xbn retrain FAILED: {run.name}",
+           f"Flow run {run.name} failed after its retries: {state.message or state.name}\n{_link(run.id)}")
+
+
+def _link(run_id) -> str:
+    from prefect.settings import PREFECT_UI_URL
+
+    ui = PREFECT_UI_URL.value()
+    return f"{ui.rstrip('/')}/runs/flow-run/{run_id}" if ui else f"flow run id {run_id}"
+
+
+@flow(name="xbn-retrain", log_prints=True, on_failure=[_notify_failure])
 def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None,
-            tune: bool | None = None) -> dict:
-    """`tune`: run the study first (None: as `tune.enabled` says)."""
+            tune: bool | None = None, force: bool = False) -> dict:
+    """`tune`: run the study first (None: as `tune.enabled` says); `force`: retrain even if nothing changed."""
+    logger = get_run_logger()
     overrides = list(overrides or [])
     params = load_checked(params_path, overrides)
     if params.tracking.enabled:
@@ -143,7 +194,24 @@ def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None
 
         check_reachable(tracking_uri(params))  # a store that is down fails the flow now, not after training
     prepare_data(params)
+    data = snapshot_data(params)
+    if params.tracking.enabled:
+        decision = plan_retraining(params, data, force)
+    else:  # no registry, no champion to compare with or start from
+        decision = {"retrain": True, "init": "pretrained", "reason": "tracking disabled: training from "
+                    "pretrained weights", "champion": None, "request_hash": None, "drift": None}
+    logger.info("plan: %s", decision["reason"])
+    if not decision["retrain"]:
+        markdown = f"# xbn retrain: `{params.registry.model_name}`\n\n{decision['reason']}"
+        create_markdown_artifact(markdown=markdown, key="xbn-retrain-summary",
+                                 description="what this retraining did: nothing had changed")
+        logger.info("registry: unchanged, champion v%s (%s)", decision["champion"], decision["reason"])
+        return {"retrained": False, "plan": decision}
     validate_data(params)
+    # The user's own train.init (a path, or champion) wins; else the plan's choice.
+    init = params.train.init if params.train.init != "pretrained" else decision["init"]
+    overrides = [*overrides, f"train.init={init}"]
+    params = load_checked(params_path, overrides)
     tuned: dict = {}
     if params.tune.enabled if tune is None else tune:
         from xbn.tuning import as_overrides, tuned_values
@@ -151,39 +219,71 @@ def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None
         study = tune_study(params)
         tuned = {"study": study["study"], "values": tuned_values(study)}
         params = load_checked(params_path, [*overrides, *as_overrides(tuned["values"])])
-        get_run_logger().info("study %s: training with %s", tuned["study"], tuned["values"])
+        logger.info("study %s: training with %s", tuned["study"], tuned["values"])
     if not params.tracking.enabled:
-        return _train_to_registry(params, tuned)
+        return _train_to_registry(params, tuned, decision)
     # One MLflow run per flow run, opened with the params the model trains with: every stage task joins it
     # through the environment.
     import json
 
     from xbn.tracking import PARENT_RUN_ENV, pipeline_run
+    from xbn.tracking.runs import log_files
 
     tags = {"tuned_study": tuned["study"], "tuned_values": json.dumps(tuned["values"])} if tuned else {}
+    tags |= {"xbn.plan": decision["reason"][:5000], "xbn.init": init}
     with pipeline_run(params, "retrain", tags=tags, new=True) as run:
         os.environ[PARENT_RUN_ENV] = run.run_id
+        if decision["drift"]:
+            log_files(run, [params.drift.report, str(Path(params.drift.report).with_suffix(".md"))], "drift")
     try:
-        return _train_to_registry(params, tuned)
+        return _train_to_registry(params, tuned, decision)
     finally:
         os.environ.pop(PARENT_RUN_ENV, None)
 
 
-def _train_to_registry(params: Params, tuned: dict) -> dict:
+def _train_to_registry(params: Params, tuned: dict, decision: dict) -> dict:
     from xbn.stages.summary import summary_markdown
 
+    logger = get_run_logger()
     train_model(params)
     refine_embeddings(params)
     metrics = evaluate_model(params)
-    decision = register_model(params)
+    registered = register_model(params, {"request_hash": decision["request_hash"]} if decision["request_hash"]
+                                else {}) if params.tracking.enabled else None
     catalogue = index_catalogue(params)
-    markdown = summary_markdown(params)
+    markdown = summary_markdown(params) + f"\n\n**Plan:** {decision['reason']}"
+    if decision["drift"]:
+        markdown += f"\n\n**Drift:** {decision['drift']['line']} (`{params.drift.report}`)"
     if tuned:
         markdown += f"\n\nTuned by study `{tuned['study']}`: " + ", ".join(
             f"`{k}` = {v:.4g}" if isinstance(v, float) else f"`{k}` = {v}" for k, v in tuned["values"].items())
     create_markdown_artifact(markdown=markdown, key="xbn-retrain-summary",
                              description="what this retraining did: data, memory, metrics, registry decision")
-    return {"metrics": metrics, "decision": decision, "index": catalogue, "tuned": tuned}
+    if registered and not registered.get("already_registered"):
+        _notify_decision(params, registered, metrics, decision)
+    if registered:  # the last line: what the registry decided
+        logger.info("registry: %s v%s %s: %s", registered["model_name"], registered["version"],
+                    registered["decision"], registered["reason"])
+    return {"retrained": True, "plan": decision, "metrics": metrics, "decision": registered, "index": catalogue,
+            "tuned": tuned}
+
+
+def _notify_decision(params: Params, registered: dict, metrics: dict, decision: dict) -> None:
+    """A promotion, or a challenger held for a person's review (the gate did not promote it)."""
+    from xbn.stages.notify import notify
+
+    version, verdict = registered["version"], registered["decision"]
+    title = (f"xbn: v{version} promoted to champion" if verdict == "promoted"
+             else f"xbn: v{version} held for review ({verdict})")
+    r1 = metrics.get("recall@1") if isinstance(metrics, dict) else None
+    body = "\n".join([
+        f"Flow run {flow_run.name}: {_link(flow_run.id)}",
+        f"{registered['model_name']} v{version}: {verdict}: {registered['reason']}",
+        f"test R@1 {r1:.4f}" if isinstance(r1, float) else "test R@1: not evaluated",
+        f"plan: {decision['reason']}",
+        *([f"drift: {decision['drift']['line']}"] if decision["drift"] else []),
+    ])
+    notify(params, title, body)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,13 +294,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cron", default=DEFAULT_CRON)
     parser.add_argument("--tune", action="store_true", default=None,
                         help="run the Optuna study first and train with its best values (default: tune.enabled)")
+    parser.add_argument("--force", action="store_true", help="retrain even if nothing changed since the champion")
     args = parser.parse_args(argv)
     if args.serve:
         # limit=1: at most one retraining at a time from this process.
         retrain.serve(name="xbn-weekly-retrain", cron=args.cron, limit=1,
                       parameters={"params_path": args.params, "overrides": args.overrides, "tune": args.tune})
     else:
-        retrain(args.params, args.overrides, args.tune)
+        retrain(args.params, args.overrides, args.tune, args.force)
 
 
 if __name__ == "__main__":

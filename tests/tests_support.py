@@ -12,6 +12,8 @@ TINY = [
     "train.log_every=1", "train.probe_size=8", "eval.k=[1, 2, 4]", "eval.batch_size=32",
     # A random-init tiny net puts every pair beyond the pair-margin miner's margins: use all pairs.
     "loss.miner=null", "tracking.enabled=false",
+    # No DVC project around a test's tmp folder: the retrain flow's snapshot records the manifest only.
+    "data.version=none",
 ]
 
 

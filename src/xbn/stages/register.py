@@ -57,9 +57,10 @@ from xbn.utils.io import write_json
 REVIEW_HISTORY = 10  # the newest champion-history entries `review` shows
 
 
-def register(params: Params) -> dict:
+def register(params: Params, tags: dict[str, str] | None = None) -> dict:
     """Register `models/model.pt` (tagged with the test metrics of `eval.output`, for reporting), apply the
-    promotion gate on the validation split, write `registry.report`.
+    promotion gate on the validation split, write `registry.report`. `tags`: more version tags from the caller
+    (the retrain flow's `request_hash`, which its next run compares with).
 
     Idempotent: a model whose sha256 is already registered is reported (with its recorded decision) and
     nothing is created or changed.
@@ -83,7 +84,7 @@ def register(params: Params) -> dict:
         return _write_report(params, registry, existing, compared=None, already_registered=True)
 
     data = data_hash(params) or "unknown"
-    lineage = {DATA_MD5_TAG: data_md5(params), **parent_tags(checkpoint)}
+    lineage = {DATA_MD5_TAG: data_md5(params), **parent_tags(checkpoint), **(tags or {})}
     gate = Gate(params, checkpoint)
     with pipeline_run(params, "register") as run:
         # The slow parts outside the lock: logging the model, embedding the val split with both models.

@@ -210,22 +210,25 @@ class Registry:
         verify_file(path / INDEX_META, expected, what=f"the index of {self.name} v{version.version}")
         return path
 
+    def run_artifact(self, run_id: str | None, path: str, dst_dir: str | Path) -> Path | None:
+        """Download artifact `path` (a file or folder) of run `run_id` into `dst_dir`; None if it has none."""
+        if not run_id:
+            return None
+        try:
+            return Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=path,
+                                                            dst_path=str(dst_dir), tracking_uri=self.uri))
+        except (MlflowException, OSError):
+            return None
+
     def data_snapshot(self, run_id: str | None, dst_dir: str | Path) -> tuple[dict, Any] | None:
         """The data snapshot a training run recorded (`log_data`): its JSON and its per-image table (a pandas
         DataFrame), downloaded into `dst_dir`; None for a run that recorded none (before xbn did, or untracked)."""
         import pandas as pd
 
-        if not run_id:
+        folder = self.run_artifact(run_id, DATA_ARTIFACTS, dst_dir)
+        if folder is None or not (folder / DATA_RECORD.name).exists() or not (folder / DATA_FILES.name).exists():
             return None
-        try:
-            folder = Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=DATA_ARTIFACTS,
-                                                              dst_path=str(dst_dir), tracking_uri=self.uri))
-        except (MlflowException, OSError):
-            return None
-        record, files = folder / DATA_RECORD.name, folder / DATA_FILES.name
-        if not record.exists() or not files.exists():
-            return None
-        return json.loads(record.read_text()), pd.read_parquet(files)
+        return json.loads((folder / DATA_RECORD.name).read_text()), pd.read_parquet(folder / DATA_FILES.name)
 
     def log_onnx(self, version: ModelVersionInfo, path: str | Path) -> None:
         """Attach the ONNX export of `version`'s embedder (under `onnx/`), its sha256 as a version tag."""

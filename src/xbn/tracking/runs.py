@@ -201,6 +201,14 @@ def log_data(params: Params, run: PipelineRun) -> DataSnapshot | None:
     return found
 
 
+def log_files(run: PipelineRun, paths: list[str | Path], artifact_dir: str) -> None:
+    """Log the files of `paths` that exist under `artifact_dir` of the run (reports such as the drift's)."""
+    client = Retrying(MlflowClient(run.tracking_uri))
+    for path in paths:
+        if Path(path).exists():
+            client.log_artifact(run.run_id, str(path), artifact_dir)
+
+
 def log_evaluation(params: Params, run: PipelineRun, grid_png: str | Path | None = None) -> dict[str, float]:
     """Log `eval.output`'s metrics (each nested set, such as the untrained baseline or the test-time MPN's,
     as `untrained/...`, `mpn/...`), the file itself, and the

@@ -34,6 +34,7 @@ class _ImageFacts:
     decode_error: str | None = None
     width: int | None = None
     height: int | None = None
+    mode: str | None = None  # PIL's mode (RGB, L, RGBA, P...): the drift report compares its distribution
     sha256: str | None = None
 
 
@@ -65,6 +66,7 @@ def _inspect(rel: object, root: Path) -> _ImageFacts:
         with Image.open(io.BytesIO(data)) as image:
             image.load()
             facts.width, facts.height = image.size
+            facts.mode = image.mode
         facts.decodes = True
     except Exception as exc:  # PIL raises many types (OSError, SyntaxError, ValueError, DecompressionBomb...)
         facts.decodes, facts.decode_error = False, f"{type(exc).__name__}: {exc}"
@@ -72,7 +74,7 @@ def _inspect(rel: object, root: Path) -> _ImageFacts:
 
 
 def image_columns(paths: pd.Series, root: str | Path, workers: int | None = None) -> pd.DataFrame:
-    """Columns `resolved, inside_root, exists, decodes, decode_error, width, height, sha256` for `paths`.
+    """Columns `resolved, inside_root, exists, decodes, decode_error, width, height, mode, sha256` for `paths`.
 
     The files are read in a thread pool: the work is file I/O and PIL decoding, which release the GIL.
     """

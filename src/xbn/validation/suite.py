@@ -205,7 +205,22 @@ def _summary(frame: pd.DataFrame) -> dict[str, Any]:
             str(split): {"images": int(len(part)), "classes": int(part["label"].nunique())}
             for split, part in frame.groupby("split", sort=False)
         }
+    if {"width", "height", "mode"} <= set(frame):
+        summary["profile"] = image_profile(frame)
     return summary
+
+
+def image_profile(table: pd.DataFrame) -> dict[str, Any]:
+    """The decoded images' size and mode distributions: what the drift report compares week to week."""
+    quantiles = (0.05, 0.5, 0.95)
+    profile: dict[str, Any] = {}
+    for side in ("width", "height"):
+        values = table[side].dropna().astype(float)
+        profile[side] = {f"p{round(q * 100)}": float(values.quantile(q)) if len(values) else None
+                         for q in quantiles}
+    modes = table["mode"].dropna().value_counts()
+    profile["mode"] = {str(k): round(float(v) / max(int(modes.sum()), 1), 4) for k, v in modes.items()}
+    return profile
 
 
 def validate_manifest(
@@ -221,7 +236,7 @@ def validate_manifest(
     checks = _checks(table, cfg, dataset)
     results = _run_suite(table, checks)
     outcomes = [_outcome(c, results[c.name], table) for c in checks]
-    return ValidationResult(dataset=dataset, root=str(root), outcomes=outcomes, summary=_summary(frame))
+    return ValidationResult(dataset=dataset, root=str(root), outcomes=outcomes, summary=_summary(table))
 
 
 def validate_manifest_file(

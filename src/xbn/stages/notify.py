@@ -1,0 +1,64 @@
+"""Telling a person what the schedule did: Apprise (which ships with Prefect) to the URLs `notify.urls` names.
+
+`notify.urls` holds references, never URLs (they carry tokens, and params.yaml is committed): `env:VAR`, an
+environment variable holding one or more URLs (space- or comma-separated), or `secret:BLOCK`, a Prefect Secret
+block. The retrain flow sends three events and nothing else: a run that failed after its retries, a promotion, a
+challenger held for review. A notifier that fails is logged and never fails the flow.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+from xbn.config import Params
+
+log = logging.getLogger(__name__)
+
+
+def notification_urls(params: Params) -> list[str]:
+    urls: list[str] = []
+    for entry in params.notify.urls:
+        kind, _, name = entry.partition(":")
+        if kind == "env":
+            value = os.environ.get(name, "")
+        else:
+            try:
+                from prefect.blocks.system import Secret
+
+                value = str(Secret.load(name).get())
+            except Exception as exc:  # noqa: BLE001 - a missing block, a server that is down: never fatal here
+                log.warning("notify: Prefect Secret block %r could not be read (%s): not notified through it",
+                            name, type(exc).__name__)
+                continue
+        urls += [u for u in re.split(r"[\s,]+", value) if u]
+    return urls
+
+
+def notify(params: Params, title: str, body: str) -> bool:
+    """Send one notification to every configured URL; False (logged, not raised) when none is configured or
+    any of them failed."""
+    urls = notification_urls(params)
+    if not urls:
+        log.info("notify: no URL configured (notify.urls): '%s' not sent", title)
+        return False
+    try:
+        import apprise
+
+        sender = apprise.Apprise()
+        sender.asset.async_mode = False  # send in order, in this thread: the flow waits for the answer
+        for url in urls:
+            if not sender.add(url):
+                log.warning("notify: Apprise does not understand one of the notify.urls (%s...): skipped",
+                            url.split(":", 1)[0])
+        ok = bool(len(sender)) and bool(sender.notify(title=title, body=body))
+    except Exception as exc:  # noqa: BLE001 - a notifier must never fail the flow
+        log.warning("notify: sending '%s' failed: %s: %s", title, type(exc).__name__, exc)
+        return False
+    if not ok:
+        log.warning("notify: '%s' was not delivered to every URL (see Apprise's log above)", title)
+    return ok
+
+
+__all__ = ["notification_urls", "notify"]

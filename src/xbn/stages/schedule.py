@@ -1,0 +1,125 @@
+"""What a scheduled retraining should do this time, decided before any training (issue 24).
+
+`plan` compares the data snapshot (`xbn.data.snapshot`: DVC's md5 of the images, the manifest's md5) and the
+params the schedule asked for with what the champion recorded (version tags `data_md5`, `data_hash`,
+`request_hash`):
+- nothing changed: nothing is retrained (unless forced), and the run says since which version;
+- something changed: fine-tune the champion (`train.init: champion`), with a drift report of the current data
+  against the champion's; or train from pretrained weights when there is no champion, when the params ask for a
+  model the champion's weights do not fit, or when the drift is significant and `drift.retrain_from_pretrained`
+  says so. The decision and its reason are recorded (flow summary, run tags `xbn.plan*`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from xbn.config import ConfigError, Params, flatten
+from xbn.data.snapshot import DATA_FILES, DataSnapshot
+from xbn.stages.promotion import CHAMPION
+
+log = logging.getLogger(__name__)
+
+REQUEST_TAG = "request_hash"  # the params the schedule asked for, before it chose train.init and tuned
+
+
+@dataclass(frozen=True)
+class Plan:
+    retrain: bool
+    init: str  # pretrained | champion: where the weights start, when retraining
+    reason: str  # one line for people: what changed, or since when nothing did
+    champion: int | None
+    request_hash: str
+    drift: dict[str, Any] | None = field(default=None, compare=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def request_hash(params: Params) -> str:
+    """sha256 of the params as requested (sorted flattened JSON), the same construction as `params_hash`."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(flatten(params), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def plan(params: Params, data: DataSnapshot, force: bool = False) -> Plan:
+    """Decide for `params` (as requested, before train.init is chosen) and the data snapshot just taken."""
+    from xbn.tracking import Registry
+
+    requested = request_hash(params)
+    registry = Registry(params)
+    champion = registry.by_alias(CHAMPION)
+    if champion is None:
+        return Plan(True, "pretrained", f"no champion in {params.registry.model_name} yet: training from "
+                                        "pretrained weights", None, requested)
+    tags = champion.tags
+    v = champion.version
+    changed = []
+    if data.md5 is None:
+        changed.append("data not versioned (data.version: none): whether the images changed is unknown")
+    elif tags.get("data_md5") != data.md5 or tags.get("data_hash") != data.manifest_md5:
+        changed.append(f"data changed (DVC md5 {_short(tags.get('data_md5'))} -> {_short(data.md5)})")
+    if tags.get(REQUEST_TAG, tags.get("params_hash")) != requested:
+        changed.append("params changed")
+    if not changed and not force:
+        return Plan(False, "champion", f"no change since v{v} (data {_short(data.md5)}, params "
+                                       f"{_short(requested)}): nothing retrained", v, requested)
+    reason = "; ".join(changed) or "nothing changed, but the run was forced"
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = registry.checkpoint(champion, Path(tmp) / "champion").path
+        try:
+            from xbn.models import InitialWeights
+
+            InitialWeights(checkpoint, "champion", "", v).check(params.model)
+        except ConfigError as exc:
+            return Plan(True, "pretrained", f"{reason}; the champion's weights do not fit ({exc}): training from "
+                                            "pretrained weights", v, requested)
+        drift = _drift(params, registry, champion, checkpoint, Path(tmp))
+    init = "champion"
+    if drift and drift["significant"] and params.drift.retrain_from_pretrained:
+        init = "pretrained"
+        reason += f"; significant drift (p = {drift['embedding']['p_value']:.3f} < {params.drift.alpha:g}): " \
+                  "training from pretrained weights (drift.retrain_from_pretrained)"
+    else:
+        reason += f": fine-tuning champion v{v}"
+    return Plan(True, init, reason, v, requested, drift)
+
+
+def _drift(params: Params, registry, champion, checkpoint: Path, tmp: Path) -> dict[str, Any] | None:
+    from xbn.stages.drift import drift_report
+
+    recorded = registry.data_snapshot(champion.run_id, tmp / "data")
+    if recorded is None:
+        log.warning("champion v%d recorded no data snapshot: no drift report", champion.version)
+        return None
+    now = pd.read_parquet(DATA_FILES)
+    return drift_report(params, checkpoint, champion.version, recorded[1], now,
+                        profile_before=_profile(registry, champion.run_id, tmp),
+                        profile_after=_read_profile(Path(params.validate.report)))
+
+
+def _profile(registry, run_id: str | None, tmp: Path) -> dict | None:
+    path = registry.run_artifact(run_id, "validation/validation.json", tmp / "validation")
+    return _read_profile(path) if path else None
+
+
+def _read_profile(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text()).get("summary", {}).get("profile")
+    except (OSError, ValueError):
+        return None
+
+
+def _short(value: str | None) -> str:
+    return (value or "none")[:12]
+
+
+__all__ = ["REQUEST_TAG", "Plan", "plan", "request_hash"]
