@@ -161,18 +161,63 @@ def stop_worker(worker: subprocess.Popen) -> None:
             pass
 
 
-def test_a_deployment_run_under_a_real_worker_trains_registers_and_holds_concurrency_1(prefect_stack, glyph_root):
-    """Issue 14: `prefect deployment run` on the process pool with a worker, as documented. The run must complete
-    with DataLoader workers (data.num_workers=2: they died with exit code 1 in flow runs), register a model
-    version, and a second run of the deployment must wait for the first (concurrency_limit 1)."""
+class NotificationReceiver:
+    """A real HTTP server on 127.0.0.1 that Apprise posts to (a `json://` URL): what a chat webhook receives."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.messages: list[dict] = []
+        received = self.messages
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - the http.server API
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                received.append(json.loads(body or b"{}"))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):  # quiet
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"json://127.0.0.1:{self.server.server_address[1]}/"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def test_the_weekly_schedule_under_a_real_worker(prefect_stack, tmp_path):
+    """Issues 14 and 24, as a user who deployed the weekly schedule lives it: `prefect deployment run` on the
+    process pool with a worker, DataLoader workers on (data.num_workers=2: they died with exit code 1 in flow
+    runs), a DVC project with a remote around the data.
+    1. trains from pretrained weights and registers v1 (a second run meanwhile waits: concurrency_limit 1);
+    2. nothing changed: completes in seconds without training, and registers nothing;
+    3. three classes added: fine-tunes v1 into v2 (parent_version 1), with a drift report naming the classes;
+    4. a bad params override: the run fails, and the failure is sent.
+    A real HTTP receiver gets exactly the promotion/held messages and the failure, through Apprise."""
+    from xbn.data.glyphs import generate_glyphs
+
     url, workdir = prefect_stack.url, prefect_stack.workdir
     store = f"sqlite:///{workdir / 'mlflow.db'}"
-    replaced = ("data.num_workers", "tracking.enabled", "train.epochs", "train.warmup_epochs")
+    generated = generate_glyphs(tmp_path / "glyphs", classes=27, images_per_class=4, image_size=32, seed=0)
+    catalogue = workdir / "data" / "catalogue"
+    catalogue.mkdir(parents=True)
+    for folder in sorted((generated / "images").iterdir())[:24]:
+        shutil.copytree(folder, catalogue / folder.name)
+    for args in (["init", "--no-scm", "-q"], ["remote", "add", "-d", "store", str(tmp_path / "dvc-remote")]):
+        subprocess.run([sys.executable, "-m", "dvc", *args], cwd=workdir, check=True, capture_output=True)
+    replaced = ("data.num_workers", "data.version", "tracking.enabled", "train.epochs", "train.warmup_epochs")
     overrides = [o for o in TINY if not o.startswith(replaced)]
-    overrides += ["data.num_workers=2", "train.epochs=1", "train.warmup_epochs=0", f"data.root={glyph_root}",
-                  "tracking.enabled=true", f"tracking.uri={store}"]  # one epoch: the run is what is tested
+    overrides += ["data.num_workers=2", "train.epochs=1", "train.warmup_epochs=0", "data.dataset=folder",
+                  "data.root=data/catalogue", "data.version=dvc", "tracking.enabled=true", f"tracking.uri={store}",
+                  "train.finetune_epochs=1", "drift.sample=32", "drift.permutations=99"]
+    receiver = NotificationReceiver()
     env = {**prefect_stack.env, "MLFLOW_TRACKING_URI": store, "GX_ANALYTICS_ENABLED": "false",
-           "PREFECT_WORKER_QUERY_SECONDS": "1"}  # poll every second (default 10): less waiting here
+           "PREFECT_WORKER_QUERY_SECONDS": "1",  # poll every second (default 10): less waiting here
+           "XBN_NOTIFY_URLS": receiver.url}
     _, deployments = api(url, "/deployments/filter", {})
     (deployment,) = deployments
     assert [(s["schedule"]["cron"], s["active"]) for s in deployment["schedules"]] == [("0 3 * * 1", True)]
@@ -183,23 +228,41 @@ def test_a_deployment_run_under_a_real_worker_trains_registers_and_holds_concurr
     def failed(message: str) -> str:
         return f"{message}\nworker log:\n{tail(log, 6000)}"
 
+    def start(run_overrides: list[str]) -> str:
+        started = subprocess.run(
+            [sys.executable, "-m", "prefect", "deployment", "run", "xbn-retrain/xbn-weekly-retrain",
+             "--params", json.dumps({"overrides": run_overrides})],
+            cwd=workdir, env=env, capture_output=True, text=True, timeout=120)
+        assert started.returncode == 0, started.stdout + started.stderr
+        return next(line.split("UUID:")[1].strip() for line in started.stdout.splitlines() if "UUID:" in line)
+
+    def finish(run_id: str, deadline: float) -> dict:
+        while (run := flow_run(url, run_id))["state_type"] in ("SCHEDULED", "PENDING", "RUNNING"):
+            assert worker.poll() is None and time.monotonic() < deadline, failed(f"run {run_id} did not finish")
+            time.sleep(0.5)
+        return run
+
+    import mlflow
+    import yaml
+
+    name = yaml.safe_load((workdir / "params.yaml").read_text())["registry"]["model_name"]
+    client = mlflow.MlflowClient(tracking_uri=store)
+
+    def versions() -> dict[str, dict]:
+        return {str(v.version): v.tags for v in client.search_model_versions(f"name='{name}'")}
+
     with log.open("w") as out:
         worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "xbn-process",
                                    "--type", "process", "--name", "xbn-test-worker"], cwd=workdir, env=env,
                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    timeline = []
     try:
-        started = subprocess.run(
-            [sys.executable, "-m", "prefect", "deployment", "run", "xbn-retrain/xbn-weekly-retrain",
-             "--params", json.dumps({"overrides": overrides})],
-            cwd=workdir, env=env, capture_output=True, text=True, timeout=120)
-        assert started.returncode == 0, started.stdout + started.stderr
-        first = next(line.split("UUID:")[1].strip() for line in started.stdout.splitlines() if "UUID:" in line)
-
+        # 1. From pretrained; a second run meanwhile must wait for the deployment's single slot.
+        first = start(overrides)
         deadline = time.monotonic() + 420  # the flow run takes 60-90 s on a 2-core machine at load 12
         while flow_run(url, first)["state_type"] in ("SCHEDULED", "PENDING"):
             assert worker.poll() is None and time.monotonic() < deadline, failed("the run never started")
             time.sleep(0.5)
-        # A second run while the first runs: the deployment's single slot is taken, so it must wait.
         status, second = api(url, f"/deployments/{deployment['id']}/create_flow_run",
                              {"parameters": {"overrides": overrides}})
         assert status == 201
@@ -214,16 +277,46 @@ def test_a_deployment_run_under_a_real_worker_trains_registers_and_holds_concurr
         # The worker proposed the second run and the server held it back (not merely not yet polled).
         assert "AwaitingConcurrencySlot" in waiting, failed(f"the second run was only ever {waiting}")
         api(url, f"/flow_runs/{second['id']}", method="DELETE")  # done with it: no second training
+        timeline.append(("v1 from pretrained", flow_run(url, first)["total_run_time"]))
+        assert list(versions()) == ["1"] and versions()["1"]["data_md5"].endswith(".dir")
+
+        # 2. Nothing changed: no training, no version, in seconds.
+        run = finish(start(overrides), time.monotonic() + 300)
+        assert run["state_type"] == "COMPLETED", failed(f"the no-change run ended {run['state_type']}")
+        timeline.append(("no change", run["total_run_time"]))
+        assert run["total_run_time"] < 60, failed(f"the no-change run took {run['total_run_time']} s")
+        assert list(versions()) == ["1"]
+        assert "no change since v1" in tail(log, 200_000)
+
+        # 3. Three classes added: fine-tune v1.
+        for folder in sorted((generated / "images").iterdir())[24:]:
+            shutil.copytree(folder, catalogue / folder.name)
+        run = finish(start(overrides), time.monotonic() + 420)
+        assert run["state_type"] == "COMPLETED", failed(f"the fine-tuning run ended {run['state_type']}")
+        timeline.append(("v2 fine-tuned", run["total_run_time"]))
+        v2 = versions()["2"]
+        assert v2["parent_version"] == "1" and v2["data_md5"] != versions()["1"]["data_md5"]
+        drift = json.loads((workdir / "reports/drift.json").read_text())
+        assert drift["changes"]["classes_added"] == {"count": 3, "examples": ["0024", "0025", "0026"]}
+        assert drift["champion_version"] == 1 and "+3 classes (0024, 0025, 0026)" in drift["line"]
+
+        # 4. A bad override: the run fails, and says so.
+        run = finish(start([*overrides, "train.epochs=-1"]), time.monotonic() + 300)
+        assert run["state_type"] == "FAILED", failed(f"the bad run ended {run['state_type']}")
+        deadline = time.monotonic() + 30  # the on_failure hook runs as the flow ends
+        while len(receiver.messages) < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
     finally:
         stop_worker(worker)
+        receiver.close()
 
     text = log.read_text(errors="replace")
     assert not re.search(r"exited unexpectedly|Retry \d+/\d+", text), failed("a task failed and was retried")
-    import mlflow
-    import yaml
-
-    name = yaml.safe_load((workdir / "params.yaml").read_text())["registry"]["model_name"]
-    versions = mlflow.MlflowClient(tracking_uri=store).search_model_versions(f"name='{name}'")
-    assert [str(v.version) for v in versions] == ["1"]
-    report = json.loads((workdir / "reports/registry.json").read_text())
-    assert str(report["version"]) == "1" and report["decision"] == "promoted"
+    titles = [m.get("title", "") for m in receiver.messages]
+    verdict = "promoted to champion" if v2["decision"] == "promoted" else f"held for review ({v2['decision']})"
+    assert titles[:2] == ["xbn: v1 promoted to champion", f"xbn: v2 {verdict}"], titles
+    assert len(titles) == 3 and titles[2].startswith("xbn retrain FAILED"), titles
+    assert "test R@1" in receiver.messages[1]["message"] and "/runs/flow-run/" in receiver.messages[1]["message"]
+    assert "train.epochs" in receiver.messages[2]["message"]
+    print("timeline:", timeline)
+    print("notifications:", json.dumps(receiver.messages, indent=1))
