@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from xbn.config.errors import ConfigError
+from xbn.config.errors import ConfigError, close_matches
 from xbn.config.overrides import apply_overrides
 from xbn.config.schema import Params
 
@@ -40,12 +40,26 @@ def _format_error(err: ValidationError) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{key}'")
+            hint = _closest(e["loc"])
+            lines.append(f"unknown key '{key}'" + (f" (did you mean '{hint}'?)" if hint else ""))
         elif e["type"] == "value_error" and isinstance(e.get("input"), dict):  # a check across keys: its message names them
             lines.append(e["msg"].removeprefix("Value error, "))
         else:
             lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
     return "invalid params: " + "; ".join(lines)
+
+
+def _closest(loc: tuple) -> str | None:
+    """The dotted key of the schema closest to an unknown one (`train.epoch` -> `train.epochs`), or None."""
+    model: type[BaseModel] = Params
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None  # inside a free-form mapping: any key goes there
+        model = annotation
+    matches = close_matches(str(loc[-1]), model.model_fields)
+    return ".".join([*(str(p) for p in loc[:-1]), matches[0]]) if matches else None
 
 
 def flatten(params: Params | dict, prefix: str = "") -> dict[str, Any]:
@@ -58,4 +72,16 @@ def flatten(params: Params | dict, prefix: str = "") -> dict[str, Any]:
             out.update(flatten(value, name + "."))
         else:
             out[name] = value
+    return out
+
+
+def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of `flatten`: `{"memory.kalman.r": 1}` -> `{"memory": {"kalman": {"r": 1}}}`."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *sections, leaf = key.split(".")
+        node = out
+        for part in sections:
+            node = node.setdefault(part, {})
+        node[leaf] = value
     return out
