@@ -6,7 +6,7 @@ work starts (the CLI turns it into exit 2). The schema is in `schema.py`, the `-
 """
 
 from xbn.config.errors import ConfigError, close_matches
-from xbn.config.loading import flatten, load_params, unflatten
+from xbn.config.loading import flatten, load_params
 from xbn.config.overrides import apply_overrides
 from xbn.config.schema import (
     DATASETS,
@@ -39,4 +39,4 @@ __all__ = ["DATASETS", "DEVICES", "LAMBDA_KEY", "MEMORY_METHODS", "ConfigError",
            "GlyphsConfig", "IndexConfig", "KalmanConfig", "LossConfig", "MemVirConfig", "MemoryConfig",
            "ModelConfig", "MpnConfig", "Params", "RefineConfig", "RegistryConfig", "RhoConfig",
            "SamplerConfig", "ServeConfig", "TrackingConfig", "TrainConfig", "TuneConfig", "ValidateConfig",
-           "apply_overrides", "close_matches", "flatten", "load_params", "unflatten"]
+           "apply_overrides", "close_matches", "flatten", "load_params"]

@@ -74,14 +74,3 @@ def flatten(params: Params | dict, prefix: str = "") -> dict[str, Any]:
             out[name] = value
     return out
 
-
-def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
-    """The inverse of `flatten`: `{"memory.kalman.r": 1}` -> `{"memory": {"kalman": {"r": 1}}}`."""
-    out: dict[str, Any] = {}
-    for key, value in flat.items():
-        *sections, leaf = key.split(".")
-        node = out
-        for part in sections:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out

@@ -206,13 +206,11 @@ def trained_params(params: Params, checkpoint: Path) -> tuple[Params, str]:
     from before xbn recorded them gets this call's params, with a warning (its provenance is unknown)."""
     import torch
 
-    from xbn.config import unflatten
-
     state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
     record, digest = state.get("params"), state.get("params_hash")
     if isinstance(record, dict) and digest:
         try:
-            return Params.model_validate(unflatten(record)), str(digest)
+            return Params.model_validate(record), str(digest)
         except ValueError as exc:  # a record from another xbn version whose keys no longer fit the schema
             log.warning("%s: its training params do not fit this xbn's schema (%s); the version's card "
                         "shows the current params, its params hash is the recorded one", checkpoint,

@@ -443,7 +443,8 @@ class Trainer:
     def _provenance(self) -> dict:
         """What the registry reads back from model.pt: the params it was trained with (resolved) and their
         hash, so a version's record never depends on the params of the later `register` call."""
-        return {"params": params_record(self.params), "params_hash": params_hash(self.params)}
+        return {"params": json.loads(json.dumps(self.params.model_dump(mode="json"))),  # nested: lossless
+                "params_hash": params_hash(self.params)}
 
     def _save_mpn(self) -> None:
         # The Intra-Batch MPN of the selected epoch, for evaluate's test-time option ('disabled' marker if none).
