@@ -20,7 +20,8 @@ def load_params(path: str | Path | None = "params.yaml", overrides: list[str] | 
     if path is not None:
         path = Path(path)
         if not path.exists():
-            raise ConfigError(f"params file not found: {path}")
+            raise ConfigError(f"params file not found: {path} (`xbn init --dataset FORMAT --root FOLDER` writes "
+                              f"one into the current folder)")
         try:
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
