@@ -18,6 +18,7 @@ from xbn.utils.errors import (
     NonFiniteLossError,
     RegistryError,
     ServiceUnavailableError,
+    TrainingStalledError,
 )
 from xbn.utils.logs import configure_logging
 
@@ -154,13 +155,44 @@ def _export(params: Params, args) -> dict:
     return export(params, args.format, args.output)
 
 
-def _stage_run(params: Params, args) -> dict:
-    """The stages `dvc repro` runs before register, in its order: a validation failure (a `DatasetError`)
-    stops here with exit 3, before training."""
-    args.resume = False
-    return {name: fn(params, args) for name, fn in
-            (("prepare", _stage_prepare), ("validate", _stage_validate), ("train", _stage_train),
-             ("refine", _stage_refine), ("evaluate", _stage_evaluate))}
+# `xbn run`'s chain, dvc.yaml's order (generate is part of prepare for the glyph set).
+CHAIN = (("prepare", _stage_prepare), ("validate", _stage_validate), ("train", _stage_train),
+         ("refine", _stage_refine), ("evaluate", _stage_evaluate), ("register", _stage_register),
+         ("index", _stage_index))
+
+
+def _recorded(stage: str, fn, params: Params, args):
+    """Run one stage, its params recorded for the run's later stages (reports/params.resolved.yaml) before it
+    starts and marked done or failed after; only the main process of a distributed run writes."""
+    from xbn.config.record import write_record
+
+    main = os.environ.get("RANK") in (None, "0")
+    if main:
+        write_record(params, stage, "running", args.params, args.overrides)
+    try:
+        result = fn(params, args)
+    except BaseException as exc:
+        if main:
+            write_record(params, stage, "failed", args.params, args.overrides,
+                         reason=f"{type(exc).__name__}: {exc}")
+        raise
+    if main:
+        write_record(params, stage, "done", args.params, args.overrides)
+    return result
+
+
+def _stage_run(params: Params, args) -> str:
+    """The stages `dvc repro` runs, in its order, up to `--until` (register only with tracking on), then the
+    summary. A validation failure (a `DatasetError`) stops it with exit 3, before training."""
+    args.resume, args.append, args.shards = False, False, None
+    for name, fn in CHAIN:
+        if name == "register" and not params.tracking.enabled:
+            log.info("register: skipped (tracking.enabled is false)")
+        else:
+            _recorded(name, fn, params, args)
+        if name == args.until:
+            break
+    return _summary(params, args)
 
 
 def _summary(params: Params, args) -> str:
@@ -186,6 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("-v", "--verbose", action="store_true", help="every library's log lines too")
     parser = argparse.ArgumentParser(prog="xbn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from xbn.config import DATASETS
+
+    init = sub.add_parser("init", help="write a params.yaml for a dataset into the current folder (then: xbn run)")
+    init.add_argument("--dataset", required=True, choices=DATASETS, help="the dataset's on-disk format")
+    init.add_argument("--root", required=True, help="the dataset's folder (data.root)")
+    init.add_argument("--labels-file", default=None, help="csv datasets: the path,label,split file")
+    init.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="any other param to write, e.g. --set data.image_size=224 (repeatable)")
+    init.add_argument("--force", action="store_true", help="replace an existing params.yaml")
+    init.add_argument("-v", "--verbose", action="store_true", help=argparse.SUPPRESS)
     sub.add_parser("generate", parents=[common],
                    help="generate the embedded glyph dataset at data.root").set_defaults(fn=_stage_generate)
     sub.add_parser("prepare", parents=[common], help="read the dataset, write the manifest").set_defaults(
@@ -226,9 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--run", default=None, metavar="RUN_ID", help="MLflow run id")
     restore.add_argument("--to", required=True, metavar="DIR", help="a new or empty folder")
     data.set_defaults(fn=_data)
-    sub.add_parser("run", parents=[common],
-                   help="prepare, validate, train, refine and evaluate in order (stops if validation fails)"
-                   ).set_defaults(fn=_stage_run)
+    run = sub.add_parser("run", parents=[common],
+                         help="the whole pipeline as dvc.yaml chains it (prepare, validate, train, refine, "
+                              "evaluate, register, index; stops if validation fails), then the summary")
+    run.add_argument("--until", choices=[name for name, _ in CHAIN], default=None, metavar="STAGE",
+                     help="stop after this stage (one of: %(choices)s)")
+    run.set_defaults(fn=_stage_run)
     sub.add_parser("summary", parents=[common],
                    help="what the last pipeline run did, from the files its stages wrote").set_defaults(fn=_summary)
     tune = sub.add_parser("tune", parents=[common],
@@ -281,13 +326,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The commands that are a stage of the run (their params recorded for the later ones), and the later readers.
+STAGE_COMMANDS = {name for name, _ in CHAIN}
+RECORD_READERS = STAGE_COMMANDS | {"summary"}
+
+
+def _init(args) -> int:
+    from xbn.stages.init import init
+
+    try:
+        path = init(args.dataset, args.root, args.overrides, labels_file=args.labels_file, force=args.force)
+    except ConfigError as exc:
+        print(f"xbn init: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"wrote {path} for the {args.dataset} dataset at {args.root}; next: xbn run")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rank = os.environ.get("RANK")  # set by torchrun for each worker of `xbn train --nproc N`
     configure_logging(verbose=args.verbose, prefix=f"xbn {args.command}{f' [rank {rank}]' if rank else ''}: ",
                       level=logging.INFO if rank in (None, "0") else logging.WARNING)
+    if args.command == "init":
+        return _init(args)
     try:
-        params = load_params(args.params, args.overrides)
+        if args.command in RECORD_READERS:  # the run's own params, not only the params file's
+            from xbn.config.record import resolve_params
+
+            # `xbn run` starts a run: nothing before it to agree with.
+            stage = "prepare" if args.command == "run" else args.command if args.command in STAGE_COMMANDS else None
+            params = resolve_params(args.params, args.overrides, stage)
+        else:
+            params = load_params(args.params, args.overrides)
         if args.command in RESOLVES_NAMES:
             from xbn.stages.names import check_names
 
@@ -304,19 +375,26 @@ def main(argv: list[str] | None = None) -> int:
         ((ServiceUnavailableError,), EXIT_SERVICE),  # the tracking store is down: nothing was started
         # Nothing to serve or to roll back to, an unknown version, no index attached; a non-finite loss (the
         # message names the iteration; the last good checkpoint is kept).
-        ((RegistryError, NonFiniteLossError), EXIT_FAILURE),
+        ((RegistryError, NonFiniteLossError, TrainingStalledError), EXIT_FAILURE),
     )
     try:
-        result = args.fn(params, args)
+        if args.command in STAGE_COMMANDS:
+            result = _recorded(args.command, args.fn, params, args)
+        else:
+            result = args.fn(params, args)
     except tuple(kind for kinds, _ in exit_codes for kind in kinds) as exc:
         print(f"xbn {args.command}: {exc}", file=sys.stderr)
         return next(code for kinds, code in exit_codes if isinstance(exc, kinds))
     if result is None:  # a command that ran until stopped (serve)
         return 0
-    if isinstance(result, str):
-        print(result)
-    elif not args.quiet and rank in (None, "0"):  # -q: the result is in the file the stage wrote
-        print(json.dumps(result, indent=2, default=str))
+    try:
+        if isinstance(result, str):
+            print(result)
+        elif not args.quiet and rank in (None, "0"):  # -q: the result is in the file the stage wrote
+            print(json.dumps(result, indent=2, default=str))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `xbn summary | head -3`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
     return 0
 
 

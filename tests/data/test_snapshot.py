@@ -43,7 +43,7 @@ def project(tmp_path, glyph_root, tiny_params, monkeypatch):
 def prepared(tiny_params):
     from xbn.stages.prepare import prepare
 
-    params = tiny_params("data.dataset=folder", "data.root=data/catalogue")
+    params = tiny_params("data.dataset=folder", "data.root=data/catalogue", "data.version=dvc")
     prepare(params)
     return params
 
@@ -114,7 +114,7 @@ def test_no_remote_is_an_error_before_anything_is_tracked(project, tiny_params):
 
 def test_outside_a_dvc_project_or_outside_the_project_is_refused_with_the_way_out(tmp_path, tiny_params,
                                                                                   glyph_root, monkeypatch):
-    params = tiny_params()  # data.root: the shared glyph set, outside tmp_path
+    params = tiny_params("data.version=dvc")  # data.root: the shared glyph set, outside tmp_path
     from xbn.stages.prepare import prepare
 
     prepare(params)

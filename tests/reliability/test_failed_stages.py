@@ -28,7 +28,9 @@ def test_xbn_run_validates_like_dvc_repro_and_stops_on_a_failure(params_file, ca
     params = str(params_file("validate.min_image_side=1000"))
     assert main(["run", "--params", params, "-q"]) == EXIT_DATA
     err = capsys.readouterr().err
-    assert "xbn run: data validation failed: image_width_in_bounds (96 rows)" in err, err
+    # The first bad files are named on the console, not only in the report.
+    assert ("xbn run: data validation failed: image_width_in_bounds (96 rows: row 0 images/0000/0.png (32), "
+            "row 1 images/0000/1.png (32), row 2 images/0000/2.png (32), ...)") in err, err
     assert Path("reports/validation.json").exists()
     assert not Path("models").exists() and not Path("metrics").exists()  # training never started
 

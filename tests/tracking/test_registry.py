@@ -20,8 +20,8 @@ from .helpers import METRICS, VAL_QUERIES, run_pipeline, write_eval, write_manif
 # A version's tags: what a reviewer scans across versions in the MLflow UI's versions table, where every tag
 # is a line of each version's row. Everything else belongs in the model card or on the logged model
 # (`Registry.record`): a tag added here must be worth a line in every row.
-FIRST_MODEL_TAGS = {"decision", "decided_by", "data_hash", "data_md5", "params_hash", "model_sha256", "served_embedding",
-                    "decided_at", "reason"}
+FIRST_MODEL_TAGS = {"decision", "decided_by", "data_hash", "data_md5", "params_hash", "dataset", "memory_method", "batch",
+                    "model_sha256", "served_embedding", "decided_at", "reason"}
 COMPARED_TAGS = FIRST_MODEL_TAGS | {"val_recall_at_1", "gate_interval"}  # + previous_champion: it replaced
 
 
@@ -249,3 +249,33 @@ def test_versions_registered_with_metric_tags_are_still_read(params):
     lines = {line.split("  ")[0]: line for line in text.splitlines()}
     assert "0.3000" in lines["recall@1 *"] and "0.3333" in lines["map@r +"]
     assert f"champion v1 gate: {interval(gate)} vs champion v1" in text
+
+
+def test_a_version_is_described_by_the_params_its_model_was_trained_with_not_the_register_calls(params):
+    """Issue 26: a model trained on a folder without a memory, registered by a `register` that reads the glyph
+    params: the version's hash, card and tags are the training's (recorded in model.pt), never re-derived."""
+    from xbn.config import flatten
+    from xbn.models import build_embedder, save_embedder
+    from xbn.training.trainer import params_hash as training_hash
+
+    trained = params.model_copy(update={
+        "data": params.data.model_copy(update={"dataset": "folder", "root": "/datasets/my-shapes"}),
+        "memory": params.memory.model_copy(update={"method": "none"}),
+        "train": params.train.model_copy(update={"batch_size": 32, "samples_per_class": 8, "epochs": 3})})
+    embedder, data_config = build_embedder(trained.model)
+    save_embedder(Path(params.train.checkpoint_dir) / "model.pt", embedder, trained.model, data_config,
+                  {"epoch": 1, "params": trained.model_dump(mode="json"), "params_hash": training_hash(trained)})
+    write_eval(params)
+    with pipeline_run(params, "train", new=True):
+        pass
+    register(params)  # params: glyphs, axbn, batch 64 (the params file's)
+    v1 = versions(params)[1]
+    assert v1.tags["params_hash"] == training_hash(trained) != training_hash(params)
+    assert (v1.tags["dataset"], v1.tags["memory_method"], v1.tags["batch"]) == ("folder:my-shapes", "none",
+                                                                                 "32 (4x8)")
+    card = v1.description
+    assert "folder at `/datasets/my-shapes`" in card and "glyphs" not in card
+    assert "- `memory.method`: none" in card and "- `train.batch_size`: 32" in card
+    assert "- `train.epochs`: 3" in card and flatten(params)["train.epochs"] != 3
+    table = review(params)
+    assert "folder:my-shapes" in table and "32 (4x8)" in table

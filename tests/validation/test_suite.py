@@ -39,7 +39,7 @@ def test_valid_dataset_passes_every_expectation(data):
     assert result.success, result.to_markdown()
     names = {o.name for o in result.outcomes}
     assert {"path_inside_root", "file_exists", "image_decodes", "image_width_in_bounds",
-            "train_class_min_images", "classes_disjoint_train_eval", "no_image_in_two_splits",
+            "class_min_images", "classes_disjoint_train_eval", "no_image_in_two_splits",
             "label_not_null"} <= names
     assert not any(n.startswith("published_") for n in names)  # glyphs have no published counts
     assert result.summary["splits"]["train"] == {"images": 4, "classes": 2}
@@ -81,7 +81,7 @@ def test_path_escaping_the_root(data, tmp_path):
 def test_train_test_class_overlap(data):
     root, frame = data
     frame.loc[row_of(frame, "images/dog/0.png"), "label"] = "ant"  # an ant image filed under test
-    result = run(frame, root)
+    result = run(frame, root, min_images_per_class=1)  # (dog and the test ant keep one image each)
     rows = failing_rows(result, "classes_disjoint_train_eval")
     assert rows == [0, 1, 6]  # both train ant images and the test one
     assert {e["detail"] for e in result.outcome("classes_disjoint_train_eval").examples} == {"test, train"}
@@ -112,21 +112,22 @@ def test_same_photo_with_different_boxes_is_not_a_duplicate(data):
     assert run(frame, root).success
 
 
-def test_train_class_with_one_image(data):
+def test_a_class_with_one_image_fails_in_every_split(data):
     root, frame = data
-    frame = frame.drop(index=[2, 9]).reset_index(drop=True)  # bee and eel keep one image each
+    frame = frame.drop(index=[2, 9]).reset_index(drop=True)  # bee (train) and eel (test) keep one image each
     result = run(frame, root)
-    assert failing_rows(result, "train_class_min_images") == [2]  # only the train class counts
-    assert result.outcome("train_class_min_images").examples[0]["detail"] == 1
+    assert failing_rows(result, "class_min_images") == [2, 7]  # a lone test class is a query with no answer
+    assert [e["detail"] for e in result.outcome("class_min_images").examples] == [1, 1]
+    assert {e["split"] for e in result.outcome("class_min_images").examples} == {"train", "test"}
     assert run(frame, root, min_images_per_class=1).success
 
 
 def test_null_and_blank_labels(data):
     root, frame = data
-    frame.loc[5, "label"] = None
-    assert failing_rows(run(frame, root), "label_not_null") == [5]
+    frame.loc[5, "label"] = None  # (leaves the other val cat alone: min_images_per_class=1 lets it be)
+    assert failing_rows(run(frame, root, min_images_per_class=1), "label_not_null") == [5]
     frame.loc[5, "label"] = "  "
-    assert failing_rows(run(frame, root), "label_not_blank") == [5]
+    assert failing_rows(run(frame, root, min_images_per_class=1), "label_not_blank") == [5]
 
 
 def test_image_size_bounds(data):
@@ -153,7 +154,7 @@ def test_wrong_columns_and_types(data):
     root, frame = data
     result = run(frame.rename(columns={"label": "class"}), root)
     assert [o.name for o in result.failed] == ["label_column_exists"]
-    assert "train_class_min_images" not in {o.name for o in result.outcomes}  # needs labels
+    assert "class_min_images" not in {o.name for o in result.outcomes}  # needs labels
     typed = frame.astype({"label": object})
     typed.loc[3, "label"] = 7
     assert failing_rows(run(typed, root, min_images_per_class=1), "label_is_text") == [3]

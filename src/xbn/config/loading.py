@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from xbn.config.errors import ConfigError
+from xbn.config.errors import ConfigError, close_matches
 from xbn.config.overrides import apply_overrides
 from xbn.config.schema import Params
 
@@ -20,7 +20,8 @@ def load_params(path: str | Path | None = "params.yaml", overrides: list[str] | 
     if path is not None:
         path = Path(path)
         if not path.exists():
-            raise ConfigError(f"params file not found: {path}")
+            raise ConfigError(f"params file not found: {path} (`xbn init --dataset FORMAT --root FOLDER` writes "
+                              f"one into the current folder)")
         try:
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
@@ -40,12 +41,26 @@ def _format_error(err: ValidationError) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{key}'")
+            hint = _closest(e["loc"])
+            lines.append(f"unknown key '{key}'" + (f" (did you mean '{hint}'?)" if hint else ""))
         elif e["type"] == "value_error" and isinstance(e.get("input"), dict):  # a check across keys: its message names them
             lines.append(e["msg"].removeprefix("Value error, "))
         else:
             lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
     return "invalid params: " + "; ".join(lines)
+
+
+def _closest(loc: tuple) -> str | None:
+    """The dotted key of the schema closest to an unknown one (`train.epoch` -> `train.epochs`), or None."""
+    model: type[BaseModel] = Params
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None  # inside a free-form mapping: any key goes there
+        model = annotation
+    matches = close_matches(str(loc[-1]), model.model_fields)
+    return ".".join([*(str(p) for p in loc[:-1]), matches[0]]) if matches else None
 
 
 def flatten(params: Params | dict, prefix: str = "") -> dict[str, Any]:
@@ -59,3 +74,4 @@ def flatten(params: Params | dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = value
     return out
+

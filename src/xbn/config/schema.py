@@ -221,6 +221,17 @@ class SamplerConfig(Section):
     bins: int = Field(50, ge=2)  # ddm: bins of the distance histograms
 
 
+class StallConfig(Section):
+    """`train.stall`: training that learns nothing is said, not passed over. A whole window of steps with a
+    zero loss, or whose miner found no pair (or no positive), or val R@1 below the warm-up's for `patience`
+    epochs after it, warns on the console and in metrics/train.json (the summary shows it); `action: stop`
+    also stops training (exit 1; the checkpoints stay the last good ones)."""
+
+    window: int = Field(200, ge=1)  # steps
+    patience: int = Field(3, ge=1)  # epochs after the warm-up
+    action: Literal["warn", "stop"] = "warn"
+
+
 class TrainConfig(Section):
     epochs: int = Field(12, ge=0)
     warmup_epochs: int = Field(2, ge=0)
@@ -247,6 +258,7 @@ class TrainConfig(Section):
     checkpoint_dir: str = "models"
     metrics_dir: str = "metrics"
     sampler: SamplerConfig = SamplerConfig()
+    stall: StallConfig = StallConfig()
 
     @field_validator("device")
     @classmethod

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -21,7 +22,8 @@ KEY_PARAMS = ("data.dataset", "data.image_size", "model.backbone", "model.pretra
 GATE_INTERVAL_TAG = "gate_interval"  # the comparison in short: `+0.0120 [-0.0040, +0.0290] vs v2`
 # A version's tags are what a reviewer scans across versions in the MLflow UI's versions table, in the order
 # it lists them: `decision`, `decided_by`, the gate's result when compared (`val_recall_at_1`,
-# `gate_interval`), `data_hash`, `data_md5` (DVC), `parent_version` (a fine-tuning), `params_hash`,
+# `gate_interval`), `data_hash`, `data_md5` (DVC), `parent_version` (a fine-tuning), `params_hash`, the
+# training's `dataset`, `memory_method` and `batch`,
 # `model_sha256`, `served_embedding`, then `decided_at` and
 # `reason`; `previous_champion` is added when the version replaces a champion. Everything else is in the model
 # card and on the logged model (`Registry.record`). The set is pinned by tests/tracking/test_registry.py.
@@ -48,7 +50,8 @@ def review_table(params: Params, champion: ModelVersionInfo | None, other: Model
                                                for title, info in columns])]
     rows += [("created", [_cell(info, lambda i: i.created_at) for _, info in columns])]
     rows += [(_mark(n, cfg), [metric_cell(info, n) for _, info in columns]) for n in names]
-    for label, key, n in (("params hash", "params_hash", 12), ("data hash", "data_hash", 12),
+    for label, key, n in (("dataset", "dataset", 40), ("memory method", "memory_method", 40),
+                          ("batch", "batch", 40), ("params hash", "params_hash", 12), ("data hash", "data_hash", 12),
                           ("data md5 (DVC)", "data_md5", 12), ("parent version", "parent_version", 40),
                           ("model sha256", "model_sha256", 12), ("decision", "decision", 40),
                           ("decided by", "decided_by", 40), ("decided at", "decided_at", 40),
@@ -81,11 +84,22 @@ def history_lines(history: Sequence[ChampionChange], newest: int) -> str:
     return "\n".join([f"champion history (newest first{more}):", *(e.line() for e in shown)])
 
 
+def provenance_tags(trained: Params) -> dict[str, str]:
+    """What tells versions apart in the versions table, from the params the model was trained with: the
+    dataset (format:folder name), the memory method and the batch (size = classes x samples per class)."""
+    t = trained.train
+    return {"dataset": f"{trained.data.dataset}:{Path(trained.data.root).name}",
+            "memory_method": trained.memory.method,
+            "batch": f"{t.batch_size} ({t.batch_size // t.samples_per_class}x{t.samples_per_class})"}
+
+
 def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersionInfo | None,
-               decision: Decision, run: PipelineRun) -> str:
+               decision: Decision, run: PipelineRun, trained: Params | None = None) -> str:
     """The version's description (Markdown): metrics beside the champion's, data version, key params,
-    links to the run, the model and the retrieval grid."""
+    links to the run, the model and the retrieval grid. `trained`: the params the model was trained with
+    (from its checkpoint); the data and key params are its, never this call's."""
     cfg = params.registry
+    trained = trained or params
     summary = run_summary(run.run_id, params)
     metrics, champ = version.metrics, champion.metrics if champion else {}
     vs = f"champion v{champion.version}" if champion else "champion (none)"
@@ -107,11 +121,11 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
         same = " (same as the champion's)"
     else:
         same = f" (champion: `{champion_hash}`)"
-    flat = flatten(params)
+    flat = flatten(trained)
     lines += ["", "## Data",
-              f"{params.data.dataset} at `{params.data.root}`: promotion decided on split "
+              f"{trained.data.dataset} at `{trained.data.root}`: promotion decided on split "
               f"`{cfg.gate_split}`, reported on split `{params.eval.split}`; manifest "
-              f"`{params.data.manifest}` md5 "
+              f"`{trained.data.manifest}` md5 "
               f"`{version.tags.get('data_hash')}`{same}.", "", *data_lines(version),
               "", "## Key params", *(f"- `{k}`: {flat[k]}" for k in KEY_PARAMS if k in flat),
               f"- params hash: `{version.tags.get('params_hash')}`",

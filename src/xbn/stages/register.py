@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import logging
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,7 +35,7 @@ from typing import Any
 
 from xbn.config import Params
 from xbn.data.snapshot import current_record, diff_files, diff_line
-from xbn.stages.model_card import gate_tags, history_lines, model_card, review_table
+from xbn.stages.model_card import gate_tags, history_lines, model_card, provenance_tags, review_table
 from xbn.stages.promotion import CHALLENGER, CHAMPION, GATE, Gate, make_champion, rollback_target
 from xbn.tracking import (
     ModelVersionInfo,
@@ -54,6 +55,7 @@ from xbn.utils.errors import RegistryError
 from xbn.utils.integrity import verify_sidecar
 from xbn.utils.io import write_json
 
+log = logging.getLogger(__name__)
 REVIEW_HISTORY = 10  # the newest champion-history entries `review` shows
 
 
@@ -79,6 +81,7 @@ def register(params: Params, tags: dict[str, str] | None = None) -> dict:
         raise ValueError(f"registry.primary_metric '{cfg.primary_metric}' is not in {results_file} "
                          f"(it has {', '.join(sorted(metrics))})")
     sha = verify_sidecar(checkpoint)  # the bytes training wrote, before they are registered
+    trained, trained_hash = trained_params(params, checkpoint)  # the training run's own record, not this call's
     registry = _registry(params)
     if existing := registry.find_by_tag(SHA_TAG, sha):
         return _write_report(params, registry, existing, compared=None, already_registered=True)
@@ -108,13 +111,14 @@ def register(params: Params, tags: dict[str, str] | None = None) -> dict:
                             gate=comparison.as_dict() if comparison else None)
             stamp = _stamp(decision.decision, decision.reason, GATE)
             tags = {"decision": stamp.pop("decision"), "decided_by": stamp.pop("decided_by"),
-                    **gate_tags(comparison), "data_hash": data, **lineage, "params_hash": params_hash(params),
-                    SHA_TAG: sha, SERVED_TAG: served, **stamp}
+                    **gate_tags(comparison), "data_hash": data, **lineage, "params_hash": trained_hash,
+                    **provenance_tags(trained), SHA_TAG: sha, SERVED_TAG: served, **stamp}
             version = registry.create(model_uri, tags).version
             registry.set_alias(CHALLENGER, version)
             if decision.promote:
                 make_champion(registry, version, champion, by=GATE, action="gate", reason=decision.reason)
-        registry.set_description(version, model_card(params, registry.get(version), champion, decision, run))
+        registry.set_description(version, model_card(params, registry.get(version), champion, decision, run,
+                                                     trained=trained))
     return _write_report(params, registry, registry.get(version), compared=champion)
 
 
@@ -243,6 +247,26 @@ def _write_report(params: Params, registry: Registry, info: ModelVersionInfo,
     }
     write_json(params.registry.report, report)
     return report
+
+
+def trained_params(params: Params, checkpoint: Path) -> tuple[Params, str]:
+    """The params `checkpoint` was trained with and their hash, as the trainer recorded them in it; a model
+    from before xbn recorded them gets this call's params, with a warning (its provenance is unknown)."""
+    import torch
+
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
+    record, digest = state.get("params"), state.get("params_hash")
+    if isinstance(record, dict) and digest:
+        try:
+            return Params.model_validate(record), str(digest)
+        except ValueError as exc:  # a record from another xbn version whose keys no longer fit the schema
+            log.warning("%s: its training params do not fit this xbn's schema (%s); the version's card "
+                        "shows the current params, its params hash is the recorded one", checkpoint,
+                        str(exc).splitlines()[0])
+            return params, str(digest)
+    log.warning("%s records no training params (written by an older xbn): the version is described with "
+                "this call's params", checkpoint)
+    return params, params_hash(params)
 
 
 def _stamp(decision: str, reason: str, who: str) -> dict[str, str]:

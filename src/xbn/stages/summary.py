@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from xbn.config import Params
+from xbn.config.record import read_record, stage_status
 
 
 def _read(path: str | Path) -> dict[str, Any] | None:
@@ -22,12 +23,23 @@ def _read(path: str | Path) -> dict[str, Any] | None:
 
 
 def summary_rows(params: Params) -> list[tuple[str, str]]:
-    """(label, text) pairs, in reading order; a stage that has not run says so."""
-    validation = _read(params.validate.report)
-    train = _read(Path(params.train.metrics_dir) / "train.json")
-    evaluation = _read(params.eval.output)
-    registry = _read(params.registry.report) if params.tracking.enabled else None
+    """(label, text) pairs, in reading order; a stage that has not run says so. With the run's record
+    (reports/params.resolved.yaml), only the files of the stages it holds as done are read: the outputs of
+    an earlier run, or of a stage that failed, are not this run's."""
+    record = read_record()
+
+    def done(stage: str) -> bool:
+        return record is None or (stage_status(record, stage) or {}).get("status") == "done"
+
+    validation = _read(params.validate.report) if done("validate") else None
+    train = _read(Path(params.train.metrics_dir) / "train.json") if done("train") else None
+    evaluation = _read(params.eval.output) if done("evaluate") else None
+    registry = _read(params.registry.report) if params.tracking.enabled and done("register") else None
     rows: list[tuple[str, str]] = []
+    for stage, info in ((record or {}).get("stages") or {}).items():
+        if isinstance(info, dict) and info.get("status") != "done":
+            rows.append(("FAILED" if info.get("status") == "failed" else "running",
+                         f"xbn {stage}: {info.get('reason') or 'did not finish'}"))
 
     data = f"{params.data.dataset} at {params.data.root}"
     if validation and (validation.get("summary") or {}).get("splits"):
@@ -37,14 +49,18 @@ def summary_rows(params: Params) -> list[tuple[str, str]]:
         data += f" ({sizes}); validation {status}"
     rows.append(("data", data))
 
+    t = params.train
     memory = params.memory.method
     if train:
         memory += f", {train.get('memory_rows', 0)} rows" if memory != "none" else ""
+    memory += f"; batch {t.batch_size} ({t.batch_size // t.samples_per_class} classes x {t.samples_per_class})"
+    if train:
         best = train.get("best_val_recall@1")
         rows.append(("training", f"{train.get('epochs')} epochs, {train.get('iterations')} iterations, best epoch "
                                  f"{train.get('best_epoch')} (val R@1 {_num(best)})"
                                  + (f", {train['train_seconds']:.0f} s" if "train_seconds" in train else "")))
-    rows.insert(1, ("memory", memory))
+        rows += [("WARNING", w.split("] ", 1)[-1]) for w in train.get("warnings") or []]
+    rows.insert(next(i for i, (label, _) in enumerate(rows) if label == "data") + 1, ("memory", memory))
 
     if evaluation:
         untrained = evaluation.get("untrained") or {}

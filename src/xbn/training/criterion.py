@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 import torch
-from pytorch_metric_learning.losses import GenericPairLoss
+from pytorch_metric_learning.losses import GenericPairLoss, NTXentLoss, SupConLoss
 from torch import nn
 
 from xbn.utils import distributed
@@ -100,6 +100,19 @@ class Criterion(nn.Module):
         self.mpn_loss = mpn_loss
         self.start_iteration, self.add_batch_loss = start_iteration, add_batch_loss
         self.iteration = 0
+        # SupCon and NT-Xent take their loss over each anchor's positives: mined pairs without a positive
+        # give them a loss of exactly 0 and no gradient (see `batch_loss`).
+        self.needs_positive = isinstance(loss, (SupConLoss, NTXentLoss))
+        self.take_mining()
+
+    # Mining of the steps since the trainer last read them (`take_mining`): steps that mined, steps whose
+    # miner found no positive pair, and those of them that fell back to all pairs.
+    mining: dict[str, int]
+
+    def take_mining(self) -> dict[str, int]:
+        counts = getattr(self, "mining", None)
+        self.mining = {"steps": 0, "no_pair": 0, "no_positive": 0, "all_pairs": 0}
+        return counts
 
     def get_extra_state(self):
         return {"iteration": self.iteration}
@@ -109,6 +122,17 @@ class Criterion(nn.Module):
 
     def batch_loss(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         pairs = self.miner(embeddings, labels) if self.miner is not None else None
+        if pairs is not None and len(pairs) == 4:  # a pair miner: (anchor, positive, anchor, negative)
+            positives, negatives = len(pairs[0]), len(pairs[2])
+            self.mining["steps"] += 1
+            self.mining["no_pair"] += positives + negatives == 0
+            self.mining["no_positive"] += positives == 0
+            if positives == 0 and negatives and self.needs_positive:
+                # Negatives inside the margin but no positive beyond it: the embeddings have collapsed (every
+                # pair within loss.miner_params.pos_margin), not a solved batch. SupCon would give exactly 0 and
+                # no gradient, for good (the collapse then never ends): take the loss over all pairs instead.
+                self.mining["all_pairs"] += 1
+                pairs = None
         return self.loss(embeddings, labels, pairs)
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -35,9 +35,9 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from xbn.utils import distributed
-from xbn.utils.errors import NonFiniteLossError
+from xbn.utils.errors import NonFiniteLossError, TrainingStalledError
 from xbn.config import ConfigError, Params, flatten
-from xbn.data import ImageDataset, build_transform, encode_labels, read_manifest
+from xbn.data import DatasetError, ImageDataset, build_transform, encode_labels, read_manifest
 from xbn.data.dataset import collate_skipping, loader_worker_init
 from xbn.data.samplers import build_batch_sampler
 from xbn.evaluation.embed import autocast, evaluate_split, image_loader
@@ -110,6 +110,7 @@ class History:
     best_score: float = -math.inf
     best_epoch: int = -1
     skipped: list[str] = field(default_factory=list)  # unreadable training images, skipped (paths)
+    warnings: list[str] = field(default_factory=list)  # training that learns nothing (`train.stall`), by cause
 
 
 class Trainer:
@@ -160,6 +161,7 @@ class Trainer:
                                  build_transform(p.data.image_size, training=True, mean=mean, std=std),
                                  skip_unreadable=self.world_size == 1)
         self.train_paths = train_set.paths
+        _check_enough_classes(train_frame, p.data.manifest)
         # train.batch_size is the global batch; each rank loads its slice of it.
         batches = build_batch_sampler(p.train.sampler, train_labels, p.train.batch_size,
                                       p.train.samples_per_class, seed=p.train.seed)
@@ -196,6 +198,7 @@ class Trainer:
         self.iteration = 0
         self.throughput = 0.0  # training images per second of the last epoch
         self.net: nn.Module = self.model  # what the training step calls: the model or its DDP wrapper
+        self.window_steps = self.window_zero_loss = 0  # `train.stall`'s window of steps
         self.optimizer, self.scheduler = self._optimizer_for(0)
 
     # -- phases ---------------------------------------------------------------------------------------------
@@ -267,7 +270,7 @@ class Trainer:
             "sampler": self.batches.state_dict() if hasattr(self.batches, "state_dict") else None,
             "history": {"steps": self.history.steps, "epochs": self.history.epochs,
                         "best_score": self.history.best_score, "best_epoch": self.history.best_epoch,
-                        "skipped": self.history.skipped},
+                        "skipped": self.history.skipped, "warnings": self.history.warnings},
         }
 
     def resume(self, path: str | Path | None = None) -> bool:
@@ -296,7 +299,8 @@ class Trainer:
             self.batches.load_state_dict(state["sampler"])  # the embedded samplers' bank
         h = state["history"]
         self.history = History(h["steps"], h["epochs"], float(h["best_score"]), int(h["best_epoch"]),
-                               sorted(set(h.get("skipped", [])) | set(self.history.skipped)))
+                               sorted(set(h.get("skipped", [])) | set(self.history.skipped)),
+                               list(h.get("warnings", [])))
         log.info("resumed from %s at epoch %d (iteration %d)", path, self.epoch, self.iteration)
         if self.epoch > self.total_epochs:
             t = self.params.train
@@ -367,6 +371,7 @@ class Trainer:
                 val = f", val R@1 {row['val_recall@1']:.4f}" if "val_recall@1" in row else ""
                 log.info("epoch %d/%d: loss %.4f, lr %.2g, %.0f images/s%s", self.epoch, self.total_epochs, loss, lr,
                          self.throughput, val)
+            self._watch_validation()
             score = row.get("val_recall@1", self.epoch)  # no val split: the last epoch is kept
             best = score > self.history.best_score
             if best:
@@ -374,7 +379,7 @@ class Trainer:
             if self.is_main:
                 if best:
                     save_embedder(self.checkpoint_dir / "model.pt", self.model, self.params.model,
-                                  self.data_config, {"epoch": self.epoch, "metrics": row, **self._lineage()})
+                                  self.data_config, {"epoch": self.epoch, "metrics": row, **self._provenance()})
                     self._save_mpn()
                 save_torch(self.checkpoint_dir / "last.pt", self._state())
                 self._write_metrics(time.perf_counter() - start)
@@ -385,15 +390,72 @@ class Trainer:
         if self.is_main and not (self.checkpoint_dir / "model.pt").exists():
             save_embedder(self.checkpoint_dir / "model.pt", self.model, self.params.model, self.data_config,
                           {"epoch": 0, "metrics": self.history.epochs[-1] if self.history.epochs else {},
-                           **self._lineage()})
+                           **self._provenance()})
             self._save_mpn()
             self._write_metrics(time.perf_counter() - start)
         distributed.barrier()
         return self.summary()
 
-    def _lineage(self) -> dict:
-        """What model.pt says about where its weights started (the registry reads the parent version here)."""
-        return {"init": self.init_record} if self.init_record else {}
+    # -- training that learns nothing (`train.stall`) ------------------------------------------------------
+    def _watch_steps(self, loss: float) -> None:
+        """At the end of each window of `train.stall.window` steps: a loss of exactly 0 on every step, or a
+        miner that found no pair (or no positive) on every step, is said, naming the cause."""
+        self.window_steps += 1
+        self.window_zero_loss += loss == 0.0
+        stall = self.params.train.stall
+        if self.window_steps < stall.window:
+            return
+        n, mining = self.window_steps, self.criterion.take_mining()
+        zero_loss = self.window_zero_loss == n
+        self.window_steps = self.window_zero_loss = 0
+        margins = self.params.loss.miner_params
+        if mining["steps"] == n and mining["no_pair"] == n:
+            self._stalled("no_pair", f"the miner found no pair in {n} steps: the batch is too easy; try a memory "
+                          f"(memory.method), a larger batch (train.batch_size) or a lower neg_margin "
+                          f"(loss.miner_params.neg_margin={margins.get('neg_margin')})", stop=zero_loss)
+        elif mining["steps"] == n and mining["no_positive"] == n:
+            fallback = (f"; the loss was taken over all pairs instead ({mining['all_pairs']} of them)"
+                        if mining["all_pairs"] else "")
+            self._stalled("no_positive", f"the miner found no positive pair in {n} steps, only negatives: every "
+                          f"positive pair is closer than loss.miner_params.pos_margin="
+                          f"{margins.get('pos_margin')}, so the embeddings have collapsed{fallback}; try a memory "
+                          f"(memory.method), a lower train.lr or loss.miner=null", stop=zero_loss)
+        if zero_loss:
+            self._stalled("zero_loss", f"the loss was exactly 0 for {n} steps: no gradient, the model does not "
+                          f"learn; try a memory (memory.method), a larger batch or another miner (loss.miner)")
+
+    def _watch_validation(self) -> None:
+        """Val R@1 below the warm-up's (the untrained model's without a warm-up) for `patience` epochs in a
+        row after it: training is making the model worse."""
+        warmup, patience = self.params.train.warmup_epochs, self.params.train.stall.patience
+        scores = {e["epoch"]: e.get("val_recall@1") for e in self.history.epochs}
+        reference = scores.get(warmup)
+        after = [scores.get(e) for e in range(warmup + 1, self.epoch + 1)][-patience:]
+        if reference is None or len(after) < patience or any(v is None or v >= reference for v in after):
+            return
+        self._stalled("val_below_warmup", f"val R@1 has stayed below the warm-up's ({reference:.4f}) for "
+                      f"{patience} epochs after it (now {after[-1]:.4f}): training makes the model worse; see "
+                      f"{self.metrics_dir / 'train_epochs.csv'}")
+
+    def _stalled(self, kind: str, message: str, stop: bool = True) -> None:
+        """Warn once per cause (kept in metrics/train.json), and stop when train.stall.action says so."""
+        text = f"epoch {self.epoch + 1}: {message}"
+        if not any(w.split(": ", 1)[-1] == message or f"[{kind}]" in w for w in self.history.warnings):
+            self.history.warnings.append(f"[{kind}] {text}")
+            if self.is_main:
+                log.warning("%s", text)
+        if stop and self.params.train.stall.action == "stop":
+            if self.is_main:
+                self._write_metrics(0.0)
+            raise TrainingStalledError(f"{text} (train.stall.action=stop; the last checkpoints are kept)")
+
+    def _provenance(self) -> dict:
+        """What the registry reads back from model.pt: the params it was trained with (resolved) and their
+        hash, so a version's record never depends on the params of the later `register` call."""
+        return {"params": json.loads(json.dumps(self.params.model_dump(mode="json"))),  # nested: lossless
+                "params_hash": params_hash(self.params),
+                # Where the weights started (a fine-tuning): the registry's parent_version comes from here.
+                **({"init": self.init_record} if self.init_record else {})}
 
     def _save_mpn(self) -> None:
         # The Intra-Batch MPN of the selected epoch, for evaluate's test-time option ('disabled' marker if none).
@@ -426,6 +488,7 @@ class Trainer:
             self.iteration += 1
             seen += len(labels)
             losses.append(loss)
+            self._watch_steps(loss)
             if self.iteration % p.log_every == 0:
                 self.criterion.check_finite()
                 if self.is_main:
@@ -489,6 +552,7 @@ class Trainer:
             "final_loss": epochs[-1]["loss"] if epochs else None,
             "memory_rows": self.criterion.memory.memory_size if self.criterion.memory is not None else 0,
             "skipped_images": len(self.history.skipped),
+            "warnings": list(self.history.warnings),
         }
 
     def _record_skipped(self, indices: list[int]) -> None:
@@ -501,6 +565,22 @@ class Trainer:
         write_json(self.metrics_dir / "train.json", {**self.summary(), "train_seconds": round(seconds, 1)})
         write_csv(self.metrics_dir / "train_steps.csv", self.history.steps, STEP_COLUMNS)
         write_csv(self.metrics_dir / "train_epochs.csv", self.history.epochs)
+
+
+def _check_enough_classes(train_frame, manifest: str) -> None:
+    """A batch needs 2 classes with a positive pair each: fewer is a DatasetError naming the classes there are
+    (and the single-image ones, which can form no pair)."""
+    counts = train_frame["label"].value_counts()
+    usable, lone = sorted(counts[counts >= 2].index.map(str)), sorted(counts[counts < 2].index.map(str))
+    if len(usable) >= 2:
+        return
+    def names(labels: list[str]) -> str:
+        return ", ".join(labels[:10]) + (f" and {len(labels) - 10} more" if len(labels) > 10 else "")
+    raise DatasetError(
+        f"{manifest}: training needs at least 2 classes with 2 or more images in the train split, found "
+        f"{len(usable)}{f' ({names(usable)})' if usable else ''}"
+        f"{f'; single-image classes, which give no positive pair: {names(lone)}' if lone else ''}; add "
+        f"images, or lower data.val_classes (it moves training classes to val)")
 
 
 def fit(params: Params, resume: bool = False, progress: bool = True,

@@ -16,6 +16,11 @@ class NonFiniteLossError(RuntimeError):
     the last good checkpoint is kept."""
 
 
+class TrainingStalledError(RuntimeError):
+    """Training learns nothing (a zero loss or no mined pair for a whole window, or val R@1 below the
+    warm-up's for `train.stall.patience` epochs) and `train.stall.action` is stop; the message names the cause."""
+
+
 class RegistryError(ValueError):
     """A registry action that cannot be done as asked (a rollback with nothing to restore, an unknown version);
     the message says why and what to do instead. A ValueError: it is a wrong request, not a broken store."""

@@ -94,6 +94,8 @@ def class_columns(frame: pd.DataFrame) -> pd.DataFrame:
 
     - `train_class_images`: images of the row's class in `train` (train rows only; the sampler needs at
       least `samples_per_class` of them, a single image gives no positive pair).
+    - `class_images`: images of the row's class in the row's split (query and gallery together): a test
+      class with one image is a query without an answer.
     - `label_in_train_and_eval`: the class is on both sides of the protocol (train/val vs test/query/gallery).
     - `label_in_train_and_val`: the class is in both train and val (val must be unseen classes).
     - `label_splits`: the splits the class appears in (the detail shown for the rows above).
@@ -103,6 +105,11 @@ def class_columns(frame: pd.DataFrame) -> pd.DataFrame:
     counts = label[train].value_counts()
     out = pd.DataFrame(index=frame.index)
     out["train_class_images"] = label.map(counts).where(train).astype("Int64")
+    # Every split's classes, query and gallery counted together (In-Shop's protocol: one query image of an
+    # item is normal, its gallery images are its other images).
+    group = split.where(~split.isin(("query", "gallery")), "query+gallery")
+    key = (group.astype("string") + "\x00" + label.astype("string"))
+    out["class_images"] = key.map(key.value_counts()).astype("Int64")
 
     def on_both(a: tuple[str, ...], b: tuple[str, ...]) -> set:
         return set(label[split.isin(a)].dropna()) & set(label[split.isin(b)].dropna())

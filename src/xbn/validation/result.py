@@ -73,7 +73,7 @@ class ValidationResult:
 
     def failure_message(self, report: str | None = None) -> str:
         """One line naming each failing expectation and how many rows broke it (for the exception/CLI)."""
-        parts = [f"{o.name} ({_rows(o.unexpected_count)})" if o.unexpected_count else o.name
+        parts = [f"{o.name} ({_rows(o.unexpected_count)}{_first(o)})" if o.unexpected_count else o.name
                  for o in self.failed]
         where = f"; see {report}" if report else ""
         return f"data validation failed: {', '.join(parts)}{where}"
@@ -153,3 +153,14 @@ def _one_line(value: Any) -> str:
 def _cell(value: Any) -> str:
     # Paths may contain pipes or backticks; keep the table intact.
     return "" if value is None else _one_line(value).replace("|", "\\|")
+
+
+def _first(outcome: ExpectationOutcome, n: int = 3) -> str:
+    """The first failing rows as the console shows them: `: row 4 images/a/x.txt (cannot identify image)`."""
+    shown = []
+    for e in outcome.examples[:n]:
+        what = e.get("path") or e.get("label")
+        detail = e.get("detail")
+        shown.append(f"row {e['row']} {what}" + (f" ({str(detail)[:80]})" if detail not in (None, "", what) else ""))
+    more = ", ..." if outcome.unexpected_count > len(shown) else ""
+    return f": {', '.join(shown)}{more}" if shown else ""

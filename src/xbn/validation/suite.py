@@ -94,11 +94,12 @@ def _checks(table: pd.DataFrame, cfg: ValidateConfig, dataset: str) -> list[_Che
                 f"every image {side} is within [{cfg.min_image_side}, {cfg.max_image_side}] px",
                 E.ExpectColumnValuesToBeBetween(column=side, min_value=cfg.min_image_side,
                                                 max_value=cfg.max_image_side), detail=side)
-    if "train_class_images" in table:
-        add("train_class_min_images",
-            f"every training class has at least {cfg.min_images_per_class} images",
-            E.ExpectColumnValuesToBeBetween(column="train_class_images", min_value=cfg.min_images_per_class),
-            detail="train_class_images")
+    if "class_images" in table:
+        add("class_min_images",
+            f"every class of every split has at least {cfg.min_images_per_class} images "
+            f"(validate.min_images_per_class)",
+            E.ExpectColumnValuesToBeBetween(column="class_images", min_value=cfg.min_images_per_class),
+            detail="class_images")
         add("classes_disjoint_train_eval", "no class is in both train/val and test/query/gallery",
             E.ExpectColumnValuesToBeInSet(column="label_in_train_and_eval", value_set=[False]),
             detail="label_splits")
