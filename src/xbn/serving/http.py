@@ -13,8 +13,14 @@ for the same image, which the page shows side by side for registry review. `GET 
 catalogue image (only rows of the served index, read under `catalogue_root`).
 
 Access: with a token configured (environment variable `XBN_SERVE_TOKEN`, or a file named by
-`XBN_SERVE_TOKEN_FILE`; never a command-line argument, which `ps` shows), every route but `/health` answers
-401 without `Authorization: Bearer <token>`. `serve` binds 127.0.0.1 unless told otherwise.
+`XBN_SERVE_TOKEN_FILE`; never a command-line argument, which `ps` shows), every route but `/health` and the
+page answers 401 without `Authorization: Bearer <token>`. `serve` binds 127.0.0.1 unless told otherwise, and
+without a token refuses any other address (`check_exposure`) and says every minute that it is open.
+
+Hostile input (issue 27): uploads are opened by `xbn.data.images` (allowed formats, 415; any decoding failure,
+400; over `max_pixels` or a bomb, 413), decoded at reduced size and under a pixel budget (`limits.PixelBudget`);
+`limits.Limits` caps requests in flight and the time a body may take; the Host header is checked
+(`serve.allowed_hosts`); catalogue rows stay under the catalogue root.
 """
 
 from __future__ import annotations
