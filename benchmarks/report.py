@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> Path:
                           ("methods", methods_section)):
         if data := _load(name):
             parts.append(section(data))
-    for name in ("serving", "serving_quick"):  # after methods: section 8
+    for name in ("serving", "serving_quick", "serving_hostile"):  # after methods: section 8
         if data := _load(name):
             text, found = serving_section(data)
             parts.append(text)

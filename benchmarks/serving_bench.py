@@ -1,6 +1,6 @@
 """Serving benchmarks (issue 17's targets): search latency through the HTTP app, IVF-PQ vs exact, ONNX vs torch.
 
-    python -m benchmarks serving [--quick]
+    python -m benchmarks serving [--quick] [--only search ivf_pq onnx hostile] [--output NAME]
 
 1. `/search` over an N x 512 synthetic catalogue (100 000; 20 000 with --quick), IVF-Flat, single query, CPU.
    The app is the real one (`create_app` on uvicorn, loopback), serving a `ReplaySource` whose model returns
@@ -14,6 +14,10 @@
 2. IVF-PQ vs exact (flat) over 1 000 000 x 512 (100 000 with --quick): per-query time of `CatalogueIndex.search`
    for both on the same queries, interleaved, and IVF-PQ's recall@10 of exact. nprobe chosen as above (0.9).
 3. ONNX Runtime vs torch throughput of the served embedder on the CPU, batch 1 and 64, in alternating rounds.
+4. Hostile uploads (issue 27; `--only hostile`): 16 parallel `/search` requests, each an RGBA PNG just under
+   serve.max_pixels (a small file that decodes to ~160 MB), against the server with its default limits, run in
+   a process of its own: its peak RSS (VmHWM) over its idle RSS, the slowest request, and how many were
+   answered 200 or turned away with 503 + Retry-After.
 
 The catalogue (`catalogue`): unit vectors in a two-level hierarchy, like a product catalogue: clusters of about
 200 items (a product line), classes of about 5 inside them (one product's photos), item noise around its class.
@@ -59,6 +63,7 @@ ONNX_PARITY = 1.0  # no bound in the issue: ONNX Runtime at least as fast as tor
 TUNE_QUERIES, CHECK_QUERIES = 300, 1000
 CELLS_SAMPLED = 40  # k-means training points per IVF cell (faiss warns below 39)
 PQ_M = 64  # sub-quantizers of 8 dimensions: 64 bytes a vector, 32x smaller than float32
+HOSTILE_PARALLEL, HOSTILE_RSS_GB, HOSTILE_LATENCY_S = 16, 1.5, 2.0  # issue 27's targets
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -115,6 +120,13 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
                             f"{p['rows']} rows, nprobe {p['nprobe']}",
                     "value": f"{r['median']} [{r['p25']}, {r['p75']}]; recall@10 {recall}",
                     "verdict": combine(*parts)})
+    if h := data.get("hostile"):
+        out.append({"what": f"{h['parallel']} parallel worst-case uploads: peak RSS - idle RSS (GB) < "
+                            f"{HOSTILE_RSS_GB:g}", "value": f"{h['peak_over_idle_gb']}",
+                    "verdict": verdict(h["peak_over_idle_gb"], h["peak_over_idle_gb"], at_most=HOSTILE_RSS_GB)})
+        out.append({"what": f"{h['parallel']} parallel worst-case uploads: slowest request (s) <= "
+                            f"{HOSTILE_LATENCY_S:g}", "value": f"{h['max_latency_s']} ({h['statuses']})",
+                    "verdict": verdict(h["max_latency_s"], h["max_latency_s"], at_most=HOSTILE_LATENCY_S)})
     for row in (data.get("onnx") or {}).get("rows", []):
         r = row["onnx_over_torch"]
         out.append({"what": f"ONNX Runtime / torch images/s, batch {row['batch']} (>= {ONNX_PARITY:g}: no bound "
@@ -212,6 +224,7 @@ class ReplayModel:
 
     def __init__(self, queries: np.ndarray) -> None:
         self.queries, self.embedding_dim, self.sha256 = queries, queries.shape[1], ""
+        self.decode_side = 2 * math.ceil(224 / 0.875)  # as `ServedModel.decode_side` at 224 px
         self._next = itertools.count()  # next() on a count is atomic under the GIL: safe in the threadpool
 
     def embed_images(self, images) -> np.ndarray:
@@ -335,6 +348,91 @@ def bench_search(rows: int, settings: dict[str, Any], seed: int) -> dict[str, An
 
 
 # ---------------------------------------------------------------------------------------------------------
+# 4. Hostile uploads
+
+
+def worst_case_png(max_pixels: int) -> tuple[bytes, int]:
+    """An RGBA PNG of side floor(sqrt(max_pixels)) (just under the limit), mostly flat: a small file."""
+    from PIL import Image
+
+    side = math.isqrt(max_pixels)
+    pixels = np.zeros((side, side, 4), dtype=np.uint8)
+    pixels[::7, :, 0], pixels[..., 3] = 200, 255
+    pixels[:100, :, 3] = 0  # some transparency: the path that composites on white
+    buf = io.BytesIO()
+    Image.fromarray(pixels, "RGBA").save(buf, "PNG", compress_level=9)
+    return buf.getvalue(), side
+
+
+def hostile_server(port: int) -> None:
+    """The server of `bench_hostile` (run in its own process): the real app with the default ServeConfig, over a
+    small flat catalogue and the replay model (what is measured is decoding, not a forward pass)."""
+    from xbn.config import ServeConfig
+    from xbn.serving.http import create_app, serve
+
+    x, _ = catalogue(3000, seed=0)
+    index = ivf_index(x[:2000], "flat", 1, 0)
+    app = create_app(ReplaySource(index, x[2000:]), ServeConfig(poll_interval_s=0), token=None)
+    serve(app, "127.0.0.1", port, log_level="warning")
+
+
+def bench_hostile(seed: int) -> dict[str, Any]:
+    import concurrent.futures
+    import os
+    import socket
+
+    import httpx
+
+    from benchmarks.common import _rss_bytes
+    from xbn.config import ServeConfig
+
+    cfg = ServeConfig()
+    png, side = worst_case_png(cfg.max_pixels)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    child = subprocess.Popen([sys.executable, "-c", f"from benchmarks.serving_bench import hostile_server; "
+                              f"hostile_server({port})"], cwd=Path(__file__).resolve().parent.parent)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if child.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the hostile-upload server did not start")
+            time.sleep(0.2)
+        httpx.post(url + "/search", files={"image": ("q.png", tiny_png())}, timeout=30).raise_for_status()
+        idle = _rss_bytes(child.pid)
+
+        def one(_: int) -> tuple[int, float]:
+            start = time.perf_counter()
+            r = httpx.post(url + "/search", files={"image": ("worst.png", png, "image/png")}, timeout=120)
+            return r.status_code, time.perf_counter() - start
+
+        with concurrent.futures.ThreadPoolExecutor(HOSTILE_PARALLEL) as pool:
+            answers = list(pool.map(one, range(HOSTILE_PARALLEL)))
+        with open(f"/proc/{child.pid}/status") as fh:
+            peak = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
+    finally:
+        child.terminate()
+        child.wait(30)
+    statuses: dict[str, int] = {}
+    for status, _ in answers:
+        statuses[str(status)] = statuses.get(str(status), 0) + 1
+    return {"parallel": HOSTILE_PARALLEL, "image": f"{side}x{side} RGBA PNG", "upload_bytes": len(png),
+            "max_pixels": cfg.max_pixels, "max_concurrency": cfg.max_concurrency,
+            "max_decode_pixels": cfg.max_decode_pixels, "idle_rss_gb": round(idle / 1024**3, 3),
+            "peak_rss_gb": round(peak / 1024**3, 3), "peak_over_idle_gb": round((peak - idle) / 1024**3, 3),
+            "latencies_s": sorted(round(t, 3) for _, t in answers),
+            "max_latency_s": round(max(t for _, t in answers), 3), "statuses": statuses,
+            "loadavg_1min": round(os.getloadavg()[0], 2)}
+
+
+# ---------------------------------------------------------------------------------------------------------
 # 2. IVF-PQ vs exact
 
 
@@ -449,6 +547,14 @@ def render(data: dict[str, Any]) -> str:
                 + (" The recall stops rising with nprobe below the target: PQ's quantisation error, not the "
                    "cells visited, bounds it (re-ranking the candidates exactly, or more bytes a vector, would "
                    "lift it)." if _plateau(p["curve"], PQ_RECALL) else ""), ""]
+    if h := data.get("hostile"):
+        out += [f"**Hostile uploads** (issue 27): {h['parallel']} parallel `/search` requests, each a {h['image']} "
+                f"({h['upload_bytes']} bytes, under serve.max_pixels {h['max_pixels']}), against the server with "
+                f"its default limits (max_concurrency {h['max_concurrency']}, max_decode_pixels "
+                f"{h['max_decode_pixels']}) in its own process: idle RSS {h['idle_rss_gb']} GB, peak "
+                f"{h['peak_rss_gb']} GB (**+{h['peak_over_idle_gb']} GB**); slowest request **{h['max_latency_s']} "
+                f"s**; answers {h['statuses']} (503: turned away with Retry-After while others decode); load "
+                f"average {h['loadavg_1min']} at the end.", ""]
     if o := data.get("onnx"):
         out += [f"**ONNX Runtime {o['onnxruntime']} vs torch**, {o['backbone']} at {o['image_size']} px "
                 f"(embedding {o['embedding_dim']}), {o['threads']} thread(s) each, alternating rounds:", "",
@@ -464,9 +570,10 @@ def render(data: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(prog="python -m benchmarks serving")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", nargs="+", choices=("search", "ivf_pq", "onnx"),
+    parser.add_argument("--only", nargs="+", choices=("search", "ivf_pq", "onnx", "hostile"),
                         default=["search", "ivf_pq", "onnx"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=None, help="results name (default serving, or serving_quick)")
     # One thread each by default: on a shared, loaded machine a 2-thread OpenMP region waits for a descheduled
     # thread at every small op (torch at batch 1 ran 2 images/s with 2 threads here).
     parser.add_argument("--threads", type=int, default=1)
@@ -488,8 +595,11 @@ def main(argv: list[str] | None = None) -> Path:
     if "onnx" in args.only:
         print(f"onnx: {settings['backbone']} at {settings['image_size']} px", flush=True)
         data["onnx"] = bench_onnx(settings["backbone"], settings["image_size"], settings["onnx_rounds"], args.seed)
+    if "hostile" in args.only:
+        print(f"hostile: {HOSTILE_PARALLEL} parallel worst-case uploads", flush=True)
+        data["hostile"] = bench_hostile(args.seed)
     data["targets"] = targets(data)
-    path = write_result("serving_quick" if args.quick else "serving", data)
+    path = write_result(args.output or ("serving_quick" if args.quick else "serving"), data)
     print(render(data))
     for t in data["targets"]:
         print(f"{t['verdict']:>14}  {t['what']}")

@@ -124,10 +124,10 @@ def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(deployed, image_root,
                 {"image": ("notes.txt", b"hello, not an image", "text/plain")},
                 {},
                 400,
-                "upload 'notes.txt' is not a readable image: not an image format PIL can identify",
+                "cannot read upload 'notes.txt': not an image format PIL can identify",
             ),
             (upload(broken_image), {}, 400, "truncated"),
-            ({"image": ("empty.png", b"", "image/png")}, {}, 400, "upload 'empty.png' is empty"),
+            ({"image": ("empty.png", b"", "image/png")}, {}, 400, "cannot read upload 'empty.png': it is empty"),
             (
                 {"image": ("huge.png", b"\x89PNG" + b"0" * 30_000, "image/png")},
                 {},
@@ -337,6 +337,9 @@ def test_a_failing_reload_is_logged_once_per_distinct_failure(caplog):
     repeat one line per poll, and a new failure or the recovery is still said."""
 
     class Flaky:
+        def __str__(self):
+            return "xbn-embedder@champion"
+
         def __init__(self):
             self.outcomes = [None, None, None, OSError("store down"), OSError("store down"), "7"]
 
@@ -355,8 +358,8 @@ def test_a_failing_reload_is_logged_once_per_distinct_failure(caplog):
     assert switched == [False] * 5 + [True] and holder.error is None and holder.current.version == "7"
     said = [(r.levelname, r.getMessage()) for r in caplog.records if r.levelno > 10]
     assert said == [
-        ("WARNING", "model reload failed, still serving nothing: LookupError: the model source has no version to "
-                    "serve"),
-        ("ERROR", "model reload failed, still serving nothing: OSError: store down"),
+        ("WARNING", "model xbn-embedder@champion: nothing to load, serving nothing: LookupError: the model source "
+                    "has no version to serve"),
+        ("ERROR", "model xbn-embedder@champion: cannot load it, serving nothing: OSError: store down"),
         ("INFO", "serving xbn-embedder version 7 (index of 3) instead of nothing"),
     ]

@@ -491,12 +491,36 @@ class ServeConfig(Section):
     default_k: int = Field(10, ge=1)
     max_k: int = Field(100, ge=1)
     cache_dir: str = "models/served"  # registry versions downloaded here (v<N>/: checkpoint and index)
+    # PIL format names an upload may be in (others: 415); GIF and WebP give their first frame.
+    allowed_formats: list[str] = ["JPEG", "PNG", "WEBP", "GIF", "BMP"]
+    max_concurrency: int = Field(32, ge=1)  # requests in flight (but /health); the excess gets 503 + Retry-After
+    # Pixels decoded at once, all requests together: an RGBA image takes about 8 bytes a pixel while it is
+    # decoded and reduced, so this bounds decoding memory (80 M: about 640 MB); a request that would exceed it
+    # gets 503 + Retry-After, except when nothing else is decoding.
+    max_decode_pixels: int = Field(80_000_000, ge=1)
+    body_timeout_s: float = Field(60.0, gt=0)  # a request body must arrive in full within this (else 408)
+    # Host header values served (Starlette's TrustedHostMiddleware; "*" for any): other names are a 400, so a
+    # page on another site cannot reach a loopback server through DNS rebinding.
+    allowed_hosts: list[str] = ["localhost", "127.0.0.1", "[::1]"]
 
     @model_validator(mode="after")
     def _k_fits(self):
         if self.default_k > self.max_k:
             raise ValueError(f"serve.default_k ({self.default_k}) exceeds serve.max_k ({self.max_k})")
         return self
+
+    @field_validator("allowed_formats")
+    @classmethod
+    def _pil_formats(cls, formats: list[str]) -> list[str]:
+        from PIL import Image
+
+        Image.init()  # registers every plugin, so Image.OPEN lists every format PIL can read
+        upper = [f.upper() for f in formats]
+        for given, name in zip(formats, upper):
+            if name not in Image.OPEN:
+                raise ValueError(f"serve.allowed_formats: '{given}' is not an image format PIL reads (known: "
+                                 f"{', '.join(sorted(Image.OPEN))})")
+        return upper
 
 
 class DriftConfig(Section):

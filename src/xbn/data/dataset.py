@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from torch.utils.data import Dataset, default_collate
 from torchvision.transforms.functional import to_tensor
 
@@ -66,9 +66,9 @@ class ImageDataset(Dataset):
         """The RGB image of row `index` (grey, palette and transparent images converted), cropped to its box."""
         path = self.root / self.paths[index]
         try:
-            image = open_rgb(path)
-        except (OSError, UnidentifiedImageError) as exc:
-            raise DatasetError(f"cannot read image {path.resolve()}: {exc}") from exc
+            image = open_rgb(path, f"image {path.resolve()}")
+        except OSError as exc:  # open_rgb's UnreadableImage (every decoding failure), or the file system's
+            raise DatasetError(str(exc)) from exc
         box = self.boxes[index]
         return image.crop(box) if box is not None else image
 

@@ -13,8 +13,14 @@ for the same image, which the page shows side by side for registry review. `GET 
 catalogue image (only rows of the served index, read under `catalogue_root`).
 
 Access: with a token configured (environment variable `XBN_SERVE_TOKEN`, or a file named by
-`XBN_SERVE_TOKEN_FILE`; never a command-line argument, which `ps` shows), every route but `/health` answers
-401 without `Authorization: Bearer <token>`. `serve` binds 127.0.0.1 unless told otherwise.
+`XBN_SERVE_TOKEN_FILE`; never a command-line argument, which `ps` shows), every route but `/health` and the
+page answers 401 without `Authorization: Bearer <token>`. `serve` binds 127.0.0.1 unless told otherwise, and
+without a token refuses any other address (`check_exposure`) and says every minute that it is open.
+
+Hostile input (issue 27): uploads are opened by `xbn.data.images` (allowed formats, 415; any decoding failure,
+400; over `max_pixels` or a bomb, 413), decoded at reduced size and under a pixel budget (`limits.PixelBudget`);
+`limits.Limits` caps requests in flight and the time a body may take; the Host header is checked
+(`serve.allowed_hosts`); catalogue rows stay under the catalogue root.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import logging
 import os
 import signal
@@ -37,10 +44,13 @@ from fastapi import FastAPI, File, Form, HTTPException, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from xbn.config import ServeConfig
+from xbn.config import ConfigError, ServeConfig
+from xbn.data.images import decode, open_image
 from xbn.serving.index import CatalogueIndex
-from xbn.serving.model import ServedModel, UnreadableImage, decode_image, load_served_model
+from xbn.serving.limits import RETRY_AFTER_S, Busy, Limits, PixelBudget
+from xbn.serving.model import ServedModel, UnreadableImage, load_served_model
 from xbn.serving.search import neighbours
 from xbn.utils.io import file_digest
 
@@ -49,8 +59,15 @@ log = logging.getLogger(__name__)
 TOKEN_ENV, TOKEN_FILE_ENV = "XBN_SERVE_TOKEN", "XBN_SERVE_TOKEN_FILE"
 # Reachable without the token: a load balancer's probe has none, and the page holds no data (it asks for the
 # token and sends it with each API call).
-OPEN_PATHS = frozenset({"/health", "/"})
-PAGE = Path(__file__).with_name("static") / "index.html"
+OPEN_PATHS = frozenset({"/health", "/", "/page.js", "/page.css"})
+STATIC = Path(__file__).with_name("static")
+PAGE = STATIC / "index.html"
+# The page's own script and style only (no inline code, no other origin); thumbnails are blob: URLs.
+PAGE_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' blob:; "
+               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+OPEN_WARNING_INTERVAL_S = 60.0  # how often a server without a token says so
+LOOPBACK_NAMES = frozenset({"localhost"})
+STATUS = {"unreadable": 400, "too_large": 413, "unsupported": 415}
 _FORM_OVERHEAD = 64 * 1024  # multipart boundaries and the k field around the image bytes
 
 
@@ -87,6 +104,9 @@ class LocalModelSource:
     ) -> None:
         self.model_path, self.index_dir = Path(model_path), Path(index_dir)
         self.image_size, self.name, self.device = image_size, name, device
+
+    def __str__(self) -> str:
+        return f"{self.model_path} with the index {self.index_dir}"
 
     def version(self) -> str | None:
         try:
@@ -128,6 +148,10 @@ class RegistryModelSource:
         self.registry, self.fetch_index, self.cache_dir = registry, fetch_index, Path(cache_dir)
         self.alias, self.image_size, self.device, self.pinned = alias, image_size, device, pinned
 
+    def __str__(self) -> str:
+        return f"{self.registry.name} v{self.pinned}" if self.pinned is not None else \
+            f"{self.registry.name}@{self.alias}"
+
     def info(self) -> Any:
         """The registry's record of the version to serve now; None when the alias is on no version."""
         return self.registry.get(self.pinned) if self.pinned is not None else self.registry.by_alias(self.alias)
@@ -167,19 +191,24 @@ def _loaded(version: str, model: ServedModel, index: CatalogueIndex, name: str, 
 
 
 class Holder:
-    """The version being served, swapped whole (one reference) when the source moves on."""
+    """The version being served, swapped whole (one reference) when the source moves on. `role` names it in
+    the log ("model", "challenger"), with the source. `absent`: the source has no version at all (a registry
+    with no challenger), as opposed to one that failed to load."""
 
-    def __init__(self, source: ModelSource) -> None:
-        self.source = source
+    def __init__(self, source: ModelSource, role: str = "model") -> None:
+        self.source, self.role = source, role
         self.current: Loaded | None = None
         self.error: str | None = None
+        self.absent = False
         self._lock = threading.Lock()  # one load at a time (poll and SIGHUP may coincide)
 
     def refresh(self) -> bool:
         """Load the source's version if it differs from the one served; True when it switched."""
         with self._lock:
+            self.absent = False
             try:
                 version = self.source.version()
+                self.absent = version is None
                 if version is None:
                     raise LookupError("the model source has no version to serve")
                 if self.current is not None and version == self.current.version:
@@ -192,8 +221,9 @@ class Holder:
                 level = (logging.DEBUG if error == self.error
                          else logging.WARNING if isinstance(exc, LookupError) else logging.ERROR)
                 self.error = error
-                log.log(level, "model reload failed, still serving %s: %s",
-                        self.current.version if self.current else "nothing", error)
+                what = "nothing to load" if self.absent else "cannot load it"
+                log.log(level, "%s %s: %s, serving %s: %s", self.role, self.source, what,
+                        f"version {self.current.version}" if self.current else "nothing", error)
                 return False
             before, self.current, self.error = self.current, loaded, None
         log.info(
@@ -243,8 +273,9 @@ def create_app(
     (the registry's challenger). `catalogue_root`: where the index's relative paths are, for thumbnails."""
     cfg = config or ServeConfig()  # its validator keeps default_k <= max_k
     secret = token_from_env() if token is ... else token
-    holder = Holder(model_source)
-    rival = Holder(challenger) if challenger is not None else None
+    holder = Holder(model_source, "model")
+    rival = Holder(challenger, "challenger") if challenger is not None else None
+    budget = PixelBudget(cfg.max_decode_pixels)
     holders = [h for h in (holder, rival) if h is not None]
 
     def refresh_all() -> None:
@@ -257,6 +288,8 @@ def create_app(
         background: set[asyncio.Task] = set()
         if cfg.poll_interval_s > 0:
             background.update(asyncio.create_task(_poll(h, cfg.poll_interval_s)) for h in holders)
+        if secret is None:
+            background.add(asyncio.create_task(_warn_open()))
         loop = asyncio.get_running_loop()
         try:
             loop.add_signal_handler(
@@ -273,7 +306,11 @@ def create_app(
             task.cancel()
 
     app = FastAPI(title="xbn image search", lifespan=lifespan)
-    app.state.holder = holder
+    app.state.holder, app.state.config, app.state.open = holder, cfg, secret is None
+    # Added last, so outermost: a foreign Host or a flood is answered before anything else runs.
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=cfg.allowed_hosts, www_redirect=False)
+    app.add_middleware(Limits, max_concurrency=cfg.max_concurrency, body_timeout_s=cfg.body_timeout_s,
+                       exempt={"/health"})
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -297,19 +334,27 @@ def create_app(
     async def invalid(request: Request, exc: RequestValidationError):
         return JSONResponse({"detail": "; ".join(_explain(e) for e in exc.errors())}, status_code=422)
 
-    async def picture(image: UploadFile):
+    def decoded(data: bytes, name: str, min_side: int):
+        image = open_image(data, name, formats=cfg.allowed_formats, max_pixels=cfg.max_pixels, min_side=min_side)
+        with image, budget.hold(image.width * image.height):  # the size after a JPEG's draft
+            return decode(image, name, min_side)
+
+    async def picture(image: UploadFile, min_side: int):
         data = await image.read(cfg.max_upload_bytes + 1)
         if len(data) > cfg.max_upload_bytes:
             raise HTTPException(413, _too_large(cfg))
         try:
-            return await run_in_threadpool(decode_image, data, f"upload {image.filename!r}", cfg.max_pixels)
+            return await run_in_threadpool(decoded, data, f"upload {image.filename!r}", min_side)
         except UnreadableImage as exc:
-            raise HTTPException(413 if exc.too_large else 400, str(exc)) from None
+            raise HTTPException(STATUS[exc.kind], str(exc)) from None
+        except Busy as exc:
+            raise HTTPException(503, f"the server is busy decoding other images ({exc}): retry in "
+                                f"{RETRY_AFTER_S} s", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
     async def embedding(image: UploadFile, served: Holder = holder) -> tuple[Loaded, Any]:
         loaded = served.require()
-        decoded = await picture(image)
-        return loaded, await run_in_threadpool(loaded.model.embed_images, [decoded])
+        query = await picture(image, loaded.model.decode_side)
+        return loaded, await run_in_threadpool(loaded.model.embed_images, [query])
 
     # The faiss search runs in a worker thread, like the embedding: on the event loop, concurrent searches would
     # queue behind each other (the serving benchmark saw it). Parameter defaults, not Annotated: with postponed
@@ -328,20 +373,31 @@ def create_app(
         image: UploadFile = File(..., description="the query image"),  # noqa: B008
         k: int = Form(cfg.default_k, ge=1, le=cfg.max_k),
     ) -> dict[str, Any]:
+        # Both sides are checked before the upload is even read: no search runs for an answer that cannot be.
         if rival is None:
-            raise HTTPException(404, "no challenger is configured on this server: /compare needs one")
-        decoded = await picture(image)
+            raise HTTPException(404, "no challenger: this server serves one model (/compare needs the registry's)")
+        if rival.current is None and rival.absent:
+            raise HTTPException(404, f"no challenger in the registry ({rival.source} is on no version)")
+        sides = {"champion": holder.require(), "challenger": rival.require()}
+        query = await picture(image, max(loaded.model.decode_side for loaded in sides.values()))
         answer = {}
-        for side, served in (("champion", holder), ("challenger", rival)):
-            loaded = served.require()
-            emb = await run_in_threadpool(loaded.model.embed_images, [decoded])
+        for side, loaded in sides.items():
+            emb = await run_in_threadpool(loaded.model.embed_images, [query])
             found = await run_in_threadpool(neighbours, loaded.index, emb, k)
             answer[side] = {**_about(loaded), "results": found[0]}
         return {"k": k, **answer}
 
     @app.get("/", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
-        return HTMLResponse(PAGE.read_text())
+        return HTMLResponse(PAGE.read_text(), headers={"Content-Security-Policy": PAGE_POLICY})
+
+    @app.get("/page.js")
+    async def page_script() -> FileResponse:
+        return FileResponse(STATIC / "page.js", media_type="text/javascript")
+
+    @app.get("/page.css")
+    async def page_style() -> FileResponse:
+        return FileResponse(STATIC / "page.css", media_type="text/css")
 
     @app.get("/catalogue/{row}")
     async def catalogue(row: int) -> FileResponse:
@@ -350,8 +406,14 @@ def create_app(
             raise HTTPException(404, "this server was started without the catalogue's image folder")
         if not 0 <= row < loaded.index.count:
             raise HTTPException(404, f"row {row} is not in the catalogue (0..{loaded.index.count - 1})")
-        # Only a path the index holds, under the catalogue root: never a path taken from the request.
-        path = Path(catalogue_root) / str(loaded.index.ids["path"].iloc[row])
+        # Only a path the index holds, under the catalogue root: never a path taken from the request. A row
+        # that leads outside the root (an absolute path, "..") is a tampered index; `xbn index` writes none.
+        stored = str(loaded.index.ids["path"].iloc[row])
+        path = inside(catalogue_root, stored)
+        if path is None:
+            log.warning("row %d of %s v%s points outside the catalogue root (%r): refused; the index was "
+                        "tampered with", row, loaded.name, loaded.version, stored)
+            raise HTTPException(404, f"row {row} is not in the catalogue")
         if not path.is_file():
             raise HTTPException(404, f"catalogue image {path.name} of row {row} is missing on this server")
         return FileResponse(path)
@@ -381,6 +443,38 @@ def create_app(
     return app
 
 
+def inside(root: str | Path, relative: str) -> Path | None:
+    """`root / relative` when it stays under `root` lexically, else None. Lexically, not resolved: symbolic
+    links inside the catalogue are its owner's doing (a DVC cache links every file out), a stored path is not."""
+    root = os.path.normpath(os.path.abspath(root))
+    path = os.path.normpath(os.path.join(root, relative))
+    return Path(path) if not os.path.isabs(relative) and path.startswith(root + os.sep) else None
+
+
+def check_exposure(app: FastAPI, host: str) -> None:
+    """Refuse (ConfigError) to serve `app` on `host` when that would open a door: without a token, any host but
+    a loopback one; with one, a public host while serve.allowed_hosts holds only loopback names (every request
+    would get 400)."""
+    cfg: ServeConfig = app.state.config
+    if app.state.open and not is_loopback(host):
+        raise ConfigError(f"--host {host}: {host} is not a loopback address and no token is set, so anyone who "
+                          f"can reach it could search and read the catalogue: set {TOKEN_ENV} or "
+                          f"{TOKEN_FILE_ENV}, or serve on 127.0.0.1")
+    if not is_loopback(host) and all(is_loopback(h.strip("[]")) for h in cfg.allowed_hosts):
+        raise ConfigError(f"--host {host}: serve.allowed_hosts ({', '.join(cfg.allowed_hosts)}) names only "
+                          "loopback hosts, so every request from elsewhere would be refused: list the names "
+                          "clients use to reach this server")
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def make_server(
     app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"
 ) -> uvicorn.Server:
@@ -391,12 +485,20 @@ def make_server(
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run `app` under uvicorn until SIGINT/SIGTERM (SIGHUP reloads the model)."""
+    """Run `app` under uvicorn until SIGINT/SIGTERM (SIGHUP reloads the model); `check_exposure` first."""
+    check_exposure(app, host)
     make_server(app, host, port, log_level).run()
 
 
 def bound_port(server: uvicorn.Server) -> int:
     return server.servers[0].sockets[0].getsockname()[1]
+
+
+async def _warn_open() -> None:
+    while True:
+        log.warning("serving without a token: every route is unauthenticated (set %s or %s to require one)",
+                    TOKEN_ENV, TOKEN_FILE_ENV)
+        await asyncio.sleep(OPEN_WARNING_INTERVAL_S)
 
 
 async def _poll(holder: Holder, interval: float) -> None:

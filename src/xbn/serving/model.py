@@ -7,8 +7,8 @@ the `image_size` a registered version records in its pyfunc metadata), so the si
 
 from __future__ import annotations
 
-import io
-from collections.abc import Sequence
+import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -16,22 +16,14 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
+from timm.data import DEFAULT_CROP_PCT
 
 from xbn.data import build_transform
-from xbn.data.images import open_rgb, to_rgb
+from xbn.data.images import UnreadableImage, open_rgb  # noqa: F401 -- UnreadableImage re-exported
 from xbn.evaluation.embed import embed, image_loader
 from xbn.models import load_embedder
 from xbn.utils.io import file_digest
-
-
-class UnreadableImage(ValueError):
-    """An image that cannot be decoded; the message names the file (or upload) and says why. `too_large`:
-    refused for its size, not its content."""
-
-    def __init__(self, message: str, too_large: bool = False) -> None:
-        super().__init__(message)
-        self.too_large = too_large
 
 
 class EmbeddedRows(NamedTuple):
@@ -53,6 +45,13 @@ class ServedModel:
     sha256: str  # of the checkpoint file: ties an index to the model that built it
     device: torch.device
     data_config: dict[str, Any]
+
+    @property
+    def decode_side(self) -> int:
+        """The shorter side a query image is decoded down to at least (`xbn.data.images.decode`): twice the
+        side the eval transform resizes to, so its antialiased resize still does the last 2x, and a reduced
+        decode embeds as a full one would (cosine > 0.999, tests/serving/test_hostile.py)."""
+        return 2 * math.ceil(self.image_size / DEFAULT_CROP_PCT)
 
     @torch.inference_mode()
     def embed_tensors(self, batch: torch.Tensor) -> np.ndarray:
@@ -124,37 +123,19 @@ def served(
     )
 
 
-def open_image(path: str | Path) -> Image.Image:
-    """An image file as RGB, or `UnreadableImage` naming it (missing, not an image, truncated)."""
-    try:
-        return open_rgb(path)
-    except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
-        raise UnreadableImage(f"cannot read image {path}: {_reason(exc)}") from exc
+def open_image(path: str | Path, min_side: int | None = None) -> Image.Image:
+    """An image file as RGB, or `UnreadableImage` naming it (missing, not an image, truncated, malformed).
+    `min_side`: decode at reduced size (`ServedModel.decode_side`), as the server does with an upload."""
+    return open_rgb(path, min_side=min_side)
 
 
-def decode_image(data: bytes, name: str = "upload", max_pixels: int | None = None) -> Image.Image:
+def decode_image(
+    data: bytes,
+    name: str = "upload",
+    max_pixels: int | None = None,
+    formats: Collection[str] | None = None,
+    min_side: int | None = None,
+) -> Image.Image:
     """Uploaded bytes as an RGB image, or `UnreadableImage` saying what is wrong with them. `max_pixels` is
     checked on the header, before any pixel is decoded (a few kB of PNG can decode to gigabytes)."""
-    if not data:
-        raise UnreadableImage(f"{name} is empty")
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            width, height = image.size
-            if max_pixels is not None and width * height > max_pixels:
-                raise UnreadableImage(
-                    f"{name} is {width}x{height} pixels, over the limit of {max_pixels}", too_large=True
-                )
-            return to_rgb(image)  # decodes every pixel: a truncated file fails here, not later
-    except (OSError, UnidentifiedImageError, Image.DecompressionBombError, SyntaxError) as exc:
-        raise UnreadableImage(f"{name} is not a readable image: {_reason(exc)}") from exc
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, UnidentifiedImageError):
-        return "not an image format PIL can identify"
-    if isinstance(exc, FileNotFoundError):
-        return "no such file"
-    text = str(exc)
-    if "truncated" in text.lower():
-        return f"truncated image ({text})"
-    return text or type(exc).__name__
+    return open_rgb(data, name, formats=formats, max_pixels=max_pixels, min_side=min_side)

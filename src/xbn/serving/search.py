@@ -60,7 +60,7 @@ def search_images(
         for path in image_paths[start : start + batch_size]:
             entry: dict[str, Any] = {"query": str(path)}
             try:
-                images.append(open_image(path))
+                images.append(open_image(path, model.decode_side))
                 entries.append(entry)
             except UnreadableImage as exc:
                 log.error("%s", exc)
