@@ -25,7 +25,7 @@ from xbn.utils.logs import configure_logging
 # The commands that build a loss, a backbone or use the device: their params also have those names resolved
 # when loaded (`check_names` imports torch, pytorch-metric-learning and timm: seconds in a fresh process,
 # which the other commands need not pay).
-RESOLVES_NAMES = ("train", "run", "tune", "refine", "evaluate", "register")
+RESOLVES_NAMES = ("train", "run", "tune", "refine", "evaluate", "register", "retrain")
 log = logging.getLogger("xbn.cli")
 
 
@@ -61,6 +61,23 @@ def _registry(params: Params, args):
     if args.action == "promote":
         return registry.promote(params, args.version, args.reason, user=args.user)
     return registry.rollback(params, args.reason, user=args.user)
+
+
+def _retrain(params: Params, args) -> str | None:
+    """The Prefect flow (pipelines/retrain.py), from any folder: once now, or serving the weekly schedule."""
+    from pipelines.retrain import DEFAULT_CRON, retrain
+
+    tune = True if args.tune else None
+    if args.serve:
+        retrain.serve(name="xbn-weekly-retrain", cron=args.cron or DEFAULT_CRON, limit=1,
+                      parameters={"params_path": args.params, "overrides": args.overrides, "tune": tune})
+        return None
+    result = retrain(args.params, args.overrides, tune, args.force)
+    lines = [f"plan: {result['plan']['reason']}"]
+    if decision := result.get("decision"):
+        lines.append(f"registry: {decision['model_name']} v{decision['version']} {decision['decision']}: "
+                     f"{decision['reason']}")
+    return "\n".join(lines)
 
 
 def _data(params: Params, args) -> dict:
@@ -259,6 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (promote, rollback):
         p.add_argument("--user", default=None, help="who decides (default: $USER)")
     registry.set_defaults(fn=_registry)
+    retrain = sub.add_parser("retrain", parents=[common],
+                             help="the scheduled retraining flow (Prefect), once now: snapshot the data, skip if "
+                                  "nothing changed, else fine-tune the champion (or train), register, index")
+    retrain.add_argument("--tune", action="store_true", help="run the Optuna study first (else tune.enabled)")
+    retrain.add_argument("--force", action="store_true", help="retrain even if nothing changed")
+    retrain.add_argument("--serve", action="store_true", help="serve the weekly schedule from this process")
+    retrain.add_argument("--cron", default=None, help="the schedule for --serve (default: Mondays 03:00)")
+    retrain.set_defaults(fn=_retrain)
     data = sub.add_parser("data", parents=[common], help="the training data's DVC snapshots")
     data_actions = data.add_subparsers(dest="action", required=True)
     data_actions.add_parser("snapshot", help="track data.root with DVC and push it (what the retrain flow does)")
