@@ -9,6 +9,7 @@
     python -m benchmarks gpu      [--quick]            (CUDA only: records 'not run' otherwise)
     python -m benchmarks serving  [--quick] [--only search ivf_pq onnx]  (issue 17: /search, IVF-PQ, ONNX)
     python -m benchmarks methods  [--only ...] [--set ...]  (every method via dvc exp run; about 2 hours)
+    python -m benchmarks retrain  [--quick] [--only fingerprint warm_start]  (issue 24: snapshot, warm start)
     python -m benchmarks all      [--quick]            (each of the above with its defaults, then the report)
     python -m benchmarks report                         (docs/benchmarks.md from the JSON files)
 
@@ -28,7 +29,7 @@ import traceback
 
 from benchmarks import provenance
 
-NAMES = ("memory", "eval", "loader", "pipeline", "grid", "gpu", "serving", "methods")
+NAMES = ("memory", "eval", "loader", "pipeline", "grid", "gpu", "serving", "methods", "retrain")
 
 
 def run(name: str, argv: list[str], allow_dirty: bool = False) -> None:
@@ -74,6 +75,10 @@ def run(name: str, argv: list[str], allow_dirty: bool = False) -> None:
         from benchmarks import grid
 
         grid.main(argv)
+    elif name == "retrain":
+        from benchmarks import retrain_bench
+
+        retrain_bench.main(argv)
     elif name == "report":
         from benchmarks import report
 
