@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed-$(shell cat requirements/lock.txt pyproject.toml | c
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export GX_ANALYTICS_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
+# MLflow reads only "true" (not DO_NOT_TRACK=1); its telemetry thread sets and unsets an environment variable that
+# a concurrent client request reads, a race seen as KeyError '_MLFLOW_TELEMETRY_SESSION_ID' in the tests.
+export MLFLOW_DISABLE_TELEMETRY ?= true
 
 .PHONY: install run test bench clean
 

@@ -60,6 +60,21 @@ def _transient(task, task_run_, state) -> bool:
     return False
 
 
+def _recorded(stage: str, params: Params, run):
+    """Run a stage with its params recorded as `xbn run` records them (reports/params.resolved.yaml: running,
+    then done or failed), so that `xbn summary` and the summary artifact read this run's files only."""
+    from xbn.config.record import write_record
+
+    write_record(params, stage, "running", None, None)
+    try:
+        result = run(params)
+    except BaseException as exc:
+        write_record(params, stage, "failed", None, None, reason=f"{type(exc).__name__}: {exc}")
+        raise
+    write_record(params, stage, "done", None, None)
+    return result
+
+
 TASK_OPTIONS = dict(retries=2, retry_delay_seconds=10, retry_condition_fn=_transient, cache_policy=NO_CACHE)
 
 
@@ -67,7 +82,7 @@ TASK_OPTIONS = dict(retries=2, retry_delay_seconds=10, retry_condition_fn=_trans
 def prepare_data(params: Params) -> dict:
     from xbn.stages.prepare import prepare
 
-    return prepare(params)
+    return _recorded("prepare", params, prepare)
 
 
 @task(**TASK_OPTIONS)
@@ -89,7 +104,7 @@ def plan_retraining(params: Params, data: dict, force: bool) -> dict:
 def validate_data(params: Params) -> dict:
     from xbn.stages.validate import validate
 
-    return validate(params)
+    return _recorded("validate", params, validate)
 
 
 @task(**TASK_OPTIONS)
@@ -99,7 +114,7 @@ def train_model(params: Params) -> dict:
     run_id = flow_run.id  # None when the task is called outside a flow run
     # A retry (run_count > 1) continues from models/last.pt instead of starting over, if this flow run wrote it.
     resume = (task_run.run_count or 1) > 1 and _own_checkpoint(params, run_id)
-    return train(params, resume=resume, progress=False, flow_run_id=run_id)
+    return _recorded("train", params, lambda p: train(p, resume=resume, progress=False, flow_run_id=run_id))
 
 
 def _own_checkpoint(params: Params, run_id: str | None) -> bool:
@@ -127,28 +142,28 @@ def _own_checkpoint(params: Params, run_id: str | None) -> bool:
 def refine_embeddings(params: Params) -> dict:
     from xbn.stages.refine import refine
 
-    return refine(params)  # a 'disabled' marker only, unless refine.enabled
+    return _recorded("refine", params, refine)  # a 'disabled' marker only, unless refine.enabled
 
 
 @task(**TASK_OPTIONS)
 def evaluate_model(params: Params) -> dict:
     from xbn.stages.evaluate import evaluate
 
-    return evaluate(params)
+    return _recorded("evaluate", params, evaluate)
 
 
 @task(**TASK_OPTIONS)
 def register_model(params: Params, tags: dict) -> dict:
     from xbn.stages.register import register
 
-    return register(params, tags=tags)
+    return _recorded("register", params, lambda p: register(p, tags=tags))
 
 
 @task(**TASK_OPTIONS)
 def index_catalogue(params: Params) -> dict:
     from xbn.stages.index import index
 
-    return index(params)  # attached to the version just registered: promoting it promotes this index
+    return _recorded("index", params, index)  # attached to the version just registered: it moves with it
 
 
 @task(**TASK_OPTIONS)
@@ -185,7 +200,6 @@ def _link(run_id) -> str:
 def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None,
             tune: bool | None = None, force: bool = False) -> dict:
     """`tune`: run the study first (None: as `tune.enabled` says); `force`: retrain even if nothing changed."""
-    logger = get_run_logger()
     overrides = list(overrides or [])
     params = load_checked(params_path, overrides)
     if params.tracking.enabled:
@@ -193,6 +207,7 @@ def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None
         from xbn.tracking.services import check_reachable
 
         check_reachable(tracking_uri(params))  # a store that is down fails the flow now, not after training
+    logger = get_run_logger()
     prepare_data(params)
     data = snapshot_data(params)
     if params.tracking.enabled:
@@ -208,18 +223,19 @@ def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None
         logger.info("registry: unchanged, champion v%s (%s)", decision["champion"], decision["reason"])
         return {"retrained": False, "plan": decision}
     validate_data(params)
-    # The user's own train.init (a path, or champion) wins; else the plan's choice.
-    init = params.train.init if params.train.init != "pretrained" else decision["init"]
-    overrides = [*overrides, f"train.init={init}"]
-    params = load_checked(params_path, overrides)
     tuned: dict = {}
     if params.tune.enabled if tune is None else tune:
         from xbn.tuning import as_overrides, tuned_values
 
-        study = tune_study(params)
+        # The study's trials train from pretrained weights, as requested (a fine-tuning is not what it scores).
+        study = tune_study(params if params.train.init == "pretrained"
+                           else load_checked(params_path, [*overrides, "train.init=pretrained"]))
         tuned = {"study": study["study"], "values": tuned_values(study)}
-        params = load_checked(params_path, [*overrides, *as_overrides(tuned["values"])])
+        overrides += as_overrides(tuned["values"])
         logger.info("study %s: training with %s", tuned["study"], tuned["values"])
+    # The user's own train.init (a path, or champion) wins; else the plan's choice.
+    init = params.train.init if params.train.init != "pretrained" else decision["init"]
+    params = load_checked(params_path, [*overrides, f"train.init={init}"])
     if not params.tracking.enabled:
         return _train_to_registry(params, tuned, decision)
     # One MLflow run per flow run, opened with the params the model trains with: every stage task joins it

@@ -10,6 +10,7 @@ import pytest
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # its thread races client requests (see Makefile)
 
 from tests_support import ROOT, TINY  # noqa: E402
 

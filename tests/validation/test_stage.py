@@ -47,7 +47,8 @@ def test_failure_raises_and_names_the_expectation(params):
         validate(params)
     assert isinstance(info.value, DatasetError) and not info.value.result.success
     assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)
-    assert "file_exists (1 row)" in str(info.value) and params.validate.report_text in str(info.value)
+    assert "file_exists (1 row: row 8 images/eel/0.png" in str(info.value)
+    assert params.validate.report_text in str(info.value)
     data, text = reports(params)
     assert not data["success"] and data["summary"]["failed"] == ["file_exists"]
     [outcome] = [e for e in data["expectations"] if e["name"] == "file_exists"]

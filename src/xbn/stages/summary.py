@@ -13,6 +13,7 @@ from typing import Any
 
 from xbn.config import Params
 from xbn.config.record import read_record, stage_status
+from xbn.data.snapshot import current_record
 
 
 def _read(path: str | Path) -> dict[str, Any] | None:
@@ -48,6 +49,9 @@ def summary_rows(params: Params) -> list[tuple[str, str]]:
         status = "passed" if validation.get("success") else "FAILED"
         data += f" ({sizes}); validation {status}"
     rows.append(("data", data))
+    if snapshot := current_record(params):  # the retrain flow's DVC snapshot, when it describes this data
+        rows.append(("data version", f"DVC md5 {snapshot.md5}, {snapshot.nfiles} files, pushed to {snapshot.remote}"
+                     if snapshot.md5 else "not versioned (data.version: none): the images cannot be restored"))
 
     t = params.train
     memory = params.memory.method
