@@ -35,7 +35,8 @@ NEW_FRACTION = 0.3  # of the training classes, added after the champion was trai
 
 
 def fingerprint(files: int, work: Path) -> dict[str, Any]:
-    """First and second (unchanged) DVC snapshot of `files` files of 4 KiB in 1000 class folders."""
+    """First and second (unchanged) DVC snapshot of `files` files of 16 KiB (a catalogue thumbnail) in 1000
+    class folders."""
     from xbn.config import load_params
     from xbn.data.snapshot import snapshot
     from xbn.stages.prepare import prepare
@@ -49,7 +50,7 @@ def fingerprint(files: int, work: Path) -> dict[str, Any]:
         folder = root / f"c{c:04d}"
         folder.mkdir(parents=True)
         for i in range(per_class):
-            (folder / f"{i:04d}.png").write_bytes(rng.bytes(4096))
+            (folder / f"{i:04d}.png").write_bytes(rng.bytes(16384))
     for args in (["init", "--no-scm", "-q"], ["remote", "add", "-d", "store", str(project / "remote")]):
         subprocess.run([sys.executable, "-m", "dvc", *args], cwd=project, check=True, capture_output=True)
     cwd = os.getcwd()

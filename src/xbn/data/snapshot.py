@@ -107,7 +107,9 @@ def snapshot(params: Params, push: bool = True) -> DataSnapshot:
     with _project() as repo:
         remote = _reachable_remote(repo)
         out = _track(repo, root.resolve())
-        if push:
+        # DVC uploads a folder's `.dir` object only after every file in it (dvc_data's transfer): when the
+        # remote has it, the snapshot is complete there, and a push would only re-check every file.
+        if push and not repo.cloud.get_remote_odb().exists(out.hash_info.value):
             # Only this folder's objects: the snapshot must outlive the folder, whatever else the project holds.
             repo.push(targets=[str(root.resolve())])
         found = DataSnapshot("dvc", str(root), manifest_md5, md5=out.hash_info.value, size=out.meta.size,
@@ -203,10 +205,12 @@ def _track(repo, root: Path):
     try:
         (out,) = repo.find_outs_by_path(str(root), strict=True)
     except OutputNotFoundError:
-        (stage,) = repo.add(str(root))
+        (stage,) = repo.add(str(root), relink=False)
         return stage.outs[0]
     if out.stage.is_data_source:
-        (stage,) = repo.add(str(root))  # a `.dvc` file of its own: re-add records the folder as it is now
+        # A `.dvc` file of its own: re-add records the folder as it is now. relink=False: the files stay as
+        # they are (DVC would otherwise re-link every one from the cache, the cost of a full checkout).
+        (stage,) = repo.add(str(root), relink=False)
         return stage.outs[0]
     repo.commit(str(root), force=True)  # a stage's output (data/glyphs): record it as it is now
     (out,) = repo.find_outs_by_path(str(root), strict=True)
