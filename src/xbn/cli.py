@@ -209,6 +209,11 @@ def _stage_run(params: Params, args) -> str:
             _recorded(name, fn, params, args)
         if name == args.until:
             break
+        if name == "prepare" and not args.force:
+            from xbn.stages.schedule import unchanged_since_champion
+
+            if reason := unchanged_since_champion(params):  # the retrain flow's rule: same data and params
+                return f"xbn run: {reason} (--force trains anyway)"
     return _summary(params, args)
 
 
@@ -298,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "evaluate, register, index; stops if validation fails), then the summary")
     run.add_argument("--until", choices=[name for name, _ in CHAIN], default=None, metavar="STAGE",
                      help="stop after this stage (one of: %(choices)s)")
+    run.add_argument("--force", action="store_true",
+                     help="train even if the data (a DVC snapshot) and params equal the champion's")
     run.set_defaults(fn=_stage_run)
     sub.add_parser("summary", parents=[common],
                    help="what the last pipeline run did, from the files its stages wrote").set_defaults(fn=_summary)

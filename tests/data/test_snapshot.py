@@ -126,3 +126,14 @@ def test_outside_a_dvc_project_or_outside_the_project_is_refused_with_the_way_ou
         snapshot(params)
     unversioned = snapshot(tiny_params("data.version=none"))
     assert unversioned.md5 is None and unversioned.fingerprint.startswith("unversioned+")
+
+
+def test_a_git_ignored_record_is_refused_with_the_line_to_add(project, tiny_params):
+    subprocess.run(["git", "init", "-q"], cwd=project, check=True)
+    dvc("config", "core.no_scm", "false", cwd=project)  # the project is a git checkout now
+    (project / ".gitignore").write_text("/data/\n")  # as the project's own .gitignore was before
+    params = prepared(tiny_params)
+    with pytest.raises(ConfigError, match=r"'!/data/\*\.dvc'"):
+        snapshot(params)
+    (project / ".gitignore").write_text("/data/*\n!/data/*.dvc\n")  # as it is now
+    assert snapshot(params).md5

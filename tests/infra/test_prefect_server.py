@@ -161,6 +161,23 @@ def stop_worker(worker: subprocess.Popen) -> None:
             pass
 
 
+def digests(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def redraw(path: Path) -> None:
+    """Replace an image in place with another drawing (same path and size, other bytes)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        changed = image.copy()
+    changed.putpixel((0, 0), 128 if changed.getpixel((0, 0)) != 128 else 0)
+    changed.save(path)
+
+
 class NotificationReceiver:
     """A real HTTP server on 127.0.0.1 that Apprise posts to (a `json://` URL): what a chat webhook receives."""
 
@@ -288,9 +305,13 @@ def test_the_weekly_schedule_under_a_real_worker(prefect_stack, tmp_path):
         assert list(versions()) == ["1"]
         assert "no change since v1" in tail(log, 200_000)
 
-        # 3. Three classes added: fine-tune v1.
+        # 3. Three classes added and three images changed in place: fine-tune v1.
+        v1_files = digests(catalogue)
         for folder in sorted((generated / "images").iterdir())[24:]:
             shutil.copytree(folder, catalogue / folder.name)
+        for path in sorted(catalogue.rglob("*.png"))[:3]:
+            redraw(path)
+        v2_files = digests(catalogue)
         run = finish(start(overrides), time.monotonic() + 420)
         assert run["state_type"] == "COMPLETED", failed(f"the fine-tuning run ended {run['state_type']}")
         timeline.append(("v2 fine-tuned", run["total_run_time"]))
@@ -299,6 +320,7 @@ def test_the_weekly_schedule_under_a_real_worker(prefect_stack, tmp_path):
         drift = json.loads((workdir / "reports/drift.json").read_text())
         assert drift["changes"]["classes_added"] == {"count": 3, "examples": ["0024", "0025", "0026"]}
         assert drift["champion_version"] == 1 and "+3 classes (0024, 0025, 0026)" in drift["line"]
+        assert drift["changes"]["images_changed"]["count"] == 3
 
         # 4. A bad override: the run fails, and says so.
         run = finish(start([*overrides, "train.epochs=-1"]), time.monotonic() + 300)
@@ -318,5 +340,21 @@ def test_the_weekly_schedule_under_a_real_worker(prefect_stack, tmp_path):
     assert len(titles) == 3 and titles[2].startswith("xbn retrain FAILED"), titles
     assert "test R@1" in receiver.messages[1]["message"] and "/runs/flow-run/" in receiver.messages[1]["message"]
     assert "train.epochs" in receiver.messages[2]["message"]
+    # Issue 25: the folder is gone; each version's images come back exactly from the DVC remote, also in a fresh
+    # project that has only the remote's address and the tracking store.
+    shutil.rmtree(catalogue)
+    shutil.rmtree(workdir / ".dvc" / "cache", ignore_errors=True)
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    for args in (["init", "--no-scm", "-q"], ["remote", "add", "-d", "store", str(tmp_path / "dvc-remote")]):
+        subprocess.run([sys.executable, "-m", "dvc", *args], cwd=fresh, check=True, capture_output=True)
+    for where, version, expected in ((workdir, 1, v1_files), (workdir, 2, v2_files), (fresh, 1, v1_files)):
+        target = tmp_path / f"restored-{where.name}-v{version}"
+        done = subprocess.run([sys.executable, "-m", "xbn.cli", "data", "--params", str(workdir / "params.yaml"),
+                               f"--set=tracking.uri={store}", "restore", "--version", str(version), "--to",
+                               str(target)], cwd=where, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert digests(target) == expected, f"v{version} restored in {where.name} differs"
+    print("restore:", done.stdout.strip()[-500:])
     print("timeline:", timeline)
     print("notifications:", json.dumps(receiver.messages, indent=1))

@@ -111,7 +111,8 @@ def snapshot(params: Params, push: bool = True) -> DataSnapshot:
         # remote has it, the snapshot is complete there, and a push would only re-check every file.
         if push and not repo.cloud.get_remote_odb().exists(out.hash_info.value):
             # Only this folder's objects: the snapshot must outlive the folder, whatever else the project holds.
-            repo.push(targets=[str(root.resolve())])
+            # By its `.dvc` (or dvc.yaml) file: a path would be looked up in an index built before the add.
+            repo.push(targets=[out.stage.path if out.stage.is_data_source else str(root.resolve())])
         found = DataSnapshot("dvc", str(root), manifest_md5, md5=out.hash_info.value, size=out.meta.size,
                              nfiles=out.meta.nfiles, path=str(root.resolve().relative_to(repo.root_dir)),
                              remote=remote)
@@ -198,6 +199,7 @@ def _reachable_remote(repo) -> str:
 def _track(repo, root: Path):
     """`dvc add` the folder, or `dvc commit` it when a dvc.yaml stage outputs it; returns its DVC output."""
     from dvc.exceptions import OutputNotFoundError
+    from dvc.dvcfile import FileIsGitIgnored
 
     if not root.is_relative_to(repo.root_dir):
         raise ConfigError(f"data.root {root} is outside the DVC project {repo.root_dir}, and DVC versions only "
@@ -205,7 +207,20 @@ def _track(repo, root: Path):
     try:
         (out,) = repo.find_outs_by_path(str(root), strict=True)
     except OutputNotFoundError:
-        (stage,) = repo.add(str(root), relink=False)
+        # A `.dvc` record git ignores is one DVC cannot find again (and `dvc add` refuses it in a git checkout).
+        record = root.parent / f"{root.name}.dvc"
+        try:
+            ignored = repo.scm.is_ignored(str(record))
+        except (AttributeError, NotImplementedError):  # no git here: nothing ignores it
+            ignored = False
+        try:
+            if ignored:
+                raise FileIsGitIgnored(str(record))
+            (stage,) = repo.add(str(root), relink=False)
+        except FileIsGitIgnored:
+            raise ConfigError(f"DVC will not track data.root {root}: its record {record.name} would be ignored by "
+                              f"git; un-ignore it in .gitignore (e.g. '!/{root.parent.relative_to(repo.root_dir)}"
+                              f"/*.dvc'), or set data.version: none") from None
         return stage.outs[0]
     if out.stage.is_data_source:
         # A `.dvc` file of its own: re-add records the folder as it is now. relink=False: the files stay as

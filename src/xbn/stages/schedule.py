@@ -60,15 +60,8 @@ def plan(params: Params, data: DataSnapshot, force: bool = False) -> Plan:
     if champion is None:
         return Plan(True, "pretrained", f"no champion in {params.registry.model_name} yet: training from "
                                         "pretrained weights", None, requested)
-    tags = champion.tags
     v = champion.version
-    changed = []
-    if data.md5 is None:
-        changed.append("data not versioned (data.version: none): whether the images changed is unknown")
-    elif tags.get("data_md5") != data.md5 or tags.get("data_hash") != data.manifest_md5:
-        changed.append(f"data changed (DVC md5 {_short(tags.get('data_md5'))} -> {_short(data.md5)})")
-    if tags.get(REQUEST_TAG, tags.get("params_hash")) != requested:
-        changed.append("params changed")
+    changed = changes(champion.tags, data, requested)
     if not changed and not force:
         return Plan(False, "champion", f"no change since v{v} (data {_short(data.md5)}, params "
                                        f"{_short(requested)}): nothing retrained", v, requested)
@@ -91,6 +84,41 @@ def plan(params: Params, data: DataSnapshot, force: bool = False) -> Plan:
     else:
         reason += f": fine-tuning champion v{v}"
     return Plan(True, init, reason, v, requested, drift)
+
+
+def changes(tags: dict[str, str], data: DataSnapshot, requested: str) -> list[str]:
+    """What differs from the champion (its version `tags`): the data, the requested params; [] for nothing."""
+    found = []
+    if data.md5 is None:
+        found.append("data not versioned (data.version: none): whether the images changed is unknown")
+    elif tags.get("data_md5") != data.md5 or tags.get("data_hash") != data.manifest_md5:
+        found.append(f"data changed (DVC md5 {_short(tags.get('data_md5'))} -> {_short(data.md5)})")
+    if tags.get(REQUEST_TAG, tags.get("params_hash")) != requested:
+        found.append("params changed")
+    return found
+
+
+def unchanged_since_champion(params: Params) -> str | None:
+    """`xbn run`'s check before training: a DVC snapshot of the data (recorded, so that the version this run
+    registers carries its `data_md5`), then the reason line when the data and the params equal the champion's,
+    else None. Where the data cannot be versioned (no DVC project, no remote, data.version: none) whether it
+    changed is unknown: None, with a line saying so."""
+    from xbn.data.snapshot import snapshot
+    from xbn.tracking import Registry
+    from xbn.utils.errors import ServiceUnavailableError
+
+    if not params.tracking.enabled or params.data.version == "none":
+        return None
+    try:
+        data = snapshot(params)
+    except (ConfigError, ServiceUnavailableError) as exc:
+        log.info("data not versioned, so every run trains: %s", exc)
+        return None
+    champion = Registry(params).by_alias(CHAMPION)
+    if champion is None or changes(champion.tags, data, request_hash(params)):
+        return None
+    return f"no change since v{champion.version} (data {_short(data.md5)}, params {_short(request_hash(params))})" \
+           ": nothing retrained"
 
 
 def _drift(params: Params, registry, champion, checkpoint: Path, tmp: Path) -> dict[str, Any] | None:
@@ -122,4 +150,4 @@ def _short(value: str | None) -> str:
     return (value or "none")[:12]
 
 
-__all__ = ["REQUEST_TAG", "Plan", "plan", "request_hash"]
+__all__ = ["REQUEST_TAG", "Plan", "changes", "plan", "request_hash", "unchanged_since_champion"]
