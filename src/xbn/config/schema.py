@@ -495,9 +495,10 @@ class ServeConfig(Section):
     allowed_formats: list[str] = ["JPEG", "PNG", "WEBP", "GIF", "BMP"]
     max_concurrency: int = Field(32, ge=1)  # requests in flight (but /health); the excess gets 503 + Retry-After
     # Pixels decoded at once, all requests together: an RGBA image takes about 8 bytes a pixel while it is
-    # decoded and reduced, so this bounds decoding memory (80 M: about 640 MB); a request that would exceed it
-    # gets 503 + Retry-After, except when nothing else is decoding.
-    max_decode_pixels: int = Field(80_000_000, ge=1)
+    # decoded and reduced, so this bounds decoding memory (40 M: about 320 MB); a request that would exceed it
+    # gets 503 + Retry-After, except when nothing else is decoding. 40 M = max_pixels: one worst-case image
+    # decodes at a time (two at once took 3.1 s on 2 cores, against the 2 s bound; docs/benchmarks.md section 8).
+    max_decode_pixels: int = Field(40_000_000, ge=1)
     body_timeout_s: float = Field(60.0, gt=0)  # a request body must arrive in full within this (else 408)
     # Host header values served (Starlette's TrustedHostMiddleware; "*" for any): other names are a 400, so a
     # page on another site cannot reach a loopback server through DNS rebinding.
