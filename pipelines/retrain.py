@@ -207,6 +207,9 @@ def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None
         from xbn.tracking.services import check_reachable
 
         check_reachable(tracking_uri(params))  # a store that is down fails the flow now, not after training
+    from xbn.data.snapshot import check_versioning
+
+    check_versioning(params)  # no DVC project or remote for the data's snapshot: fail now, with the way out
     logger = get_run_logger()
     prepare_data(params)
     data = snapshot_data(params)

@@ -65,6 +65,9 @@ def _registry(params: Params, args):
 
 def _retrain(params: Params, args) -> str | None:
     """The Prefect flow (pipelines/retrain.py), from any folder: once now, or serving the weekly schedule."""
+    from xbn.data.snapshot import check_versioning
+
+    check_versioning(params)  # before Prefect starts its server: a missing DVC project fails in a second
     from pipelines.retrain import DEFAULT_CRON, retrain
 
     tune = True if args.tune else None

@@ -89,6 +89,19 @@ def current_record(params: Params) -> DataSnapshot | None:
     return found if found.manifest_md5 == file_digest(manifest, "md5") else None
 
 
+def check_versioning(params: Params) -> None:
+    """What `snapshot` needs, checked in a second before any work (the retrain flow's first step): with
+    data.version: dvc, a DVC project around the working directory, data.root inside it, a reachable remote."""
+    if params.data.version == "none":
+        return
+    with _project() as repo:
+        _reachable_remote(repo)
+        root = Path(params.data.root).resolve()
+        if not root.is_relative_to(repo.root_dir):
+            raise ConfigError(f"data.root {root} is outside the DVC project {repo.root_dir}, and DVC versions only "
+                              "folders inside it: move or link the data into the project, or set data.version: none")
+
+
 def snapshot(params: Params, push: bool = True) -> DataSnapshot:
     """Fingerprint (and, with `data.version: dvc`, version and push) the data of `params`; writes
     `reports/data.json` and `reports/data_files.parquet`. Raises ConfigError for a data.root DVC cannot track,
@@ -118,7 +131,7 @@ def snapshot(params: Params, push: bool = True) -> DataSnapshot:
                              remote=remote)
         digests = {"/".join(key): hash_info.value for key, _, hash_info in out.get_obj()}
     _write(found, _files(params, digests))
-    log.info("data %s: %s files, %s bytes, md5 %s (DVC), pushed to %s", root, found.nfiles, found.size, found.md5,
+    log.info("data %s: %s files, %s bytes, md5 %s (DVC), on the remote %s", root, found.nfiles, found.size, found.md5,
              remote)
     return found
 
@@ -282,5 +295,5 @@ def diff_line(diff: Mapping[str, Any]) -> str:
     return "; ".join(parts) if parts else "no change"
 
 
-__all__ = ["DATA_FILES", "DATA_RECORD", "DataSnapshot", "current_record", "diff_files", "diff_line", "read_record", "restore",
+__all__ = ["DATA_FILES", "DATA_RECORD", "DataSnapshot", "check_versioning", "current_record", "diff_files", "diff_line", "read_record", "restore",
            "snapshot"]
