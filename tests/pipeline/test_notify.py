@@ -1,0 +1,65 @@
+"""Notifications (issue 24 item 5): URLs only by reference, sent through Apprise to a real HTTP receiver, and a
+notifier that fails never fails the caller."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import logging
+import threading
+
+import pytest
+
+from tests_support import ROOT
+from xbn.config import ConfigError, load_params
+from xbn.stages.notify import notification_urls, notify
+
+
+@pytest.fixture
+def receiver():
+    received: list[dict] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the http.server API
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"json://127.0.0.1:{server.server_address[1]}/", received
+    server.shutdown()
+
+
+def test_a_url_in_params_is_refused_naming_the_way_to_give_it():
+    with pytest.raises(ConfigError, match="environment variable or a Prefect Secret block"):
+        load_params(ROOT / "params.yaml", ["notify.urls=['slack://tokenA/tokenB']"])
+
+
+def test_urls_come_from_the_environment_and_every_one_is_sent_to(receiver, monkeypatch):
+    url, received = receiver
+    monkeypatch.setenv("XBN_NOTIFY_URLS", f"{url}, {url}")
+    params = load_params(ROOT / "params.yaml")
+    assert notification_urls(params) == [url, url]
+    assert notify(params, "xbn: v2 promoted to champion", "the body")
+    assert [(m["title"], m["message"]) for m in received] == [("xbn: v2 promoted to champion", "the body")] * 2
+
+
+def test_nothing_configured_or_a_dead_receiver_is_logged_not_raised(monkeypatch, caplog):
+    params = load_params(ROOT / "params.yaml")
+    monkeypatch.delenv("XBN_NOTIFY_URLS", raising=False)
+    with caplog.at_level(logging.INFO):
+        assert not notify(params, "t", "b")
+    assert "no URL configured" in caplog.text
+    import socket
+
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("XBN_NOTIFY_URLS", f"json://127.0.0.1:{port}/")
+    with caplog.at_level(logging.WARNING):
+        assert not notify(params, "xbn retrain FAILED", "b")
+    assert "not delivered" in caplog.text or "failed" in caplog.text
