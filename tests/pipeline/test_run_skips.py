@@ -37,6 +37,18 @@ def test_xbn_run_trains_nothing_when_nothing_changed(tmp_path, glyph_root, monke
     report = yaml.safe_load((tmp_path / "reports/params.resolved.yaml").read_text())
     assert list(report["stages"]) == ["prepare"]  # stopped before validate and train
 
+    # The retrain flow's plan on the same data: nothing to do, unless forced (then: fine-tune the champion).
+    from xbn.config import load_params
+    from xbn.data.snapshot import read_record
+    from xbn.stages.schedule import plan
+
+    params = load_params("params.yaml", [a.removeprefix("--set=") for a in args])
+    assert not plan(params, read_record()).retrain
+    forced = plan(params, read_record(), force=True)
+    assert forced.retrain and forced.init == "champion" and forced.champion == 1
+    assert forced.reason == "nothing changed, but the run was forced: fine-tuning champion v1"
+    assert not forced.drift["embedding"]["tested"] and forced.drift["changes_line"] == "no change"
+
     # One image replaced in place: the bytes differ, so the run trains and registers again.
     victim = sorted((tmp_path / "data/catalogue").rglob("*.png"))[0]
     from PIL import Image
