@@ -247,7 +247,9 @@ class TrainConfig(Section):
     seed: int = Field(0, ge=0)
     device: str = "auto"
     amp: bool = True
-    channels_last: bool = True
+    # true / false: the model and its batches in channels_last memory format or not, on any device; auto: on
+    # CUDA yes, on the CPU a start-up probe (a few training steps of each) decides (xbn.training.memory_format).
+    channels_last: Literal["auto"] | bool = Field("auto", union_mode="left_to_right")
     log_every: int = Field(10, ge=1)
     probe_size: int = Field(64, ge=2)
     # Where the weights start: pretrained (model.pretrained's ImageNet weights, then the head warm-up and

@@ -47,6 +47,7 @@ from xbn.models import InitialWeights, build_embedder, save_embedder
 from xbn.models.mpn import save_mpn
 from xbn.training.batches import RankBatchSampler, RequestedBatches, SeededSamples
 from xbn.training.diagnostics import FeatureDrift
+from xbn.training.memory_format import choose_channels_last
 from xbn.utils.io import save_torch, write_csv, write_json
 from xbn.utils.runtime import resolve_device, seed_everything
 
@@ -126,7 +127,6 @@ class Trainer:
         self.is_main = self.rank == 0
         self.device = resolve_device(p.train.device)
         self.amp = p.train.amp and self.device.type == "cuda"
-        self.channels_last = p.train.channels_last and self.device.type == "cuda"
         self.checkpoint_dir = Path(p.train.checkpoint_dir)
         self.metrics_dir = Path(p.train.metrics_dir)
 
@@ -151,6 +151,13 @@ class Trainer:
                 log.warning("model.freeze_bn=false on %d CPU processes: each rank's BatchNorm sees only "
                             "its slice of the batch, unlike a single-process run", self.world_size)
         self.model.to(self.device)
+        # Every rank takes rank 0's choice: one memory format across the process group.
+        self.channels_last, self.memory_format = distributed.broadcast_from_main(
+            choose_channels_last(p.train.channels_last, self.model, self.device, p.train.batch_size,
+                                 p.data.image_size) if self.is_main else None)
+        if self.is_main and p.train.channels_last == "auto":
+            log.info("train.channels_last=auto: %s (%s)", self.channels_last, ", ".join(
+                f"{k} {v}" for k, v in self.memory_format.items() if k.startswith("probe_")) or "CUDA")
         if self.channels_last:
             self.model.to(memory_format=torch.channels_last)
         mean, std = self.data_config["mean"], self.data_config["std"]
@@ -260,6 +267,7 @@ class Trainer:
             "params": params_record(self.params),
             "flow_run_id": self.flow_run_id,
             "init": self.init_record,
+            "memory_format": self.memory_format,  # a resumed run keeps the format it started in
             "epoch": self.epoch,
             "iteration": self.iteration,
             "model": self.model.state_dict(),
@@ -294,6 +302,11 @@ class Trainer:
                 self.scheduler.load_state_dict(state["scheduler"])
         self.criterion.load_state_dict(state["criterion"])
         self.init_record = state.get("init")
+        if (saved := state.get("memory_format")) and saved["channels_last"] != self.channels_last:
+            # auto's probe may choose otherwise this time: continue in the format the run trained in.
+            self.channels_last, self.memory_format = saved["channels_last"], saved
+            fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+            self.model.to(memory_format=fmt)
         self.drift.load_state_dict(state["drift"])
         if state.get("sampler") is not None and hasattr(self.batches, "load_state_dict"):
             self.batches.load_state_dict(state["sampler"])  # the embedded samplers' bank
@@ -552,6 +565,8 @@ class Trainer:
             "final_loss": epochs[-1]["loss"] if epochs else None,
             "memory_rows": self.criterion.memory.memory_size if self.criterion.memory is not None else 0,
             "skipped_images": len(self.history.skipped),
+            "channels_last": self.channels_last,  # and what chose it (train.channels_last, or auto's probe)
+            **{k: v for k, v in self.memory_format.items() if k != "channels_last"},
             "warnings": list(self.history.warnings),
         }
 
