@@ -64,7 +64,7 @@ def open_image(
     "image <path>" or "upload"). `formats`: PIL format names accepted (None: any PIL reads); `max_pixels`:
     refused above it, from the header; `min_side`: a JPEG is set to decode at the smallest DCT scale that keeps
     both sides at least this large (`Image.draft`)."""
-    name = name or (f"image {source}" if not isinstance(source, bytes) else "upload")
+    name = _label(source, name)
     if isinstance(source, bytes) and not source:
         raise UnreadableImage(f"cannot read {name}: it is empty")
     try:
@@ -121,9 +121,14 @@ def open_rgb(
     min_side: int | None = None,
 ) -> Image.Image:
     """`open_image` then `decode`: the image at `source` as RGB, or `UnreadableImage` naming it."""
-    name = name or (f"image {source}" if not isinstance(source, bytes) else "upload")
+    name = _label(source, name)
     image = open_image(source, name, formats=formats, max_pixels=max_pixels, min_side=min_side)
     return decode(image, name, min_side)
+
+
+def _label(source: str | Path | bytes, name: str | None) -> str:
+    """What messages call `source`: `name`, else "image <path>" or "upload"."""
+    return name or (f"image {source}" if not isinstance(source, bytes) else "upload")
 
 
 def _identify(source: str | Path | bytes) -> str | None:

@@ -96,10 +96,7 @@ def check_versioning(params: Params) -> None:
         return
     with _project() as repo:
         _reachable_remote(repo)
-        root = Path(params.data.root).resolve()
-        if not root.is_relative_to(repo.root_dir):
-            raise ConfigError(f"data.root {root} is outside the DVC project {repo.root_dir}, and DVC versions only "
-                              "folders inside it: move or link the data into the project, or set data.version: none")
+        _require_inside(repo, Path(params.data.root).resolve())
 
 
 def snapshot(params: Params, push: bool = True) -> DataSnapshot:
@@ -209,31 +206,28 @@ def _reachable_remote(repo) -> str:
     return url
 
 
-def _track(repo, root: Path):
-    """`dvc add` the folder, or `dvc commit` it when a dvc.yaml stage outputs it; returns its DVC output."""
-    from dvc.exceptions import OutputNotFoundError
-    from dvc.dvcfile import FileIsGitIgnored
-
+def _require_inside(repo, root: Path) -> None:
     if not root.is_relative_to(repo.root_dir):
         raise ConfigError(f"data.root {root} is outside the DVC project {repo.root_dir}, and DVC versions only "
                           "folders inside it: move or link the data into the project, or set data.version: none")
+
+
+def _track(repo, root: Path):
+    """`dvc add` the folder, or `dvc commit` it when a dvc.yaml stage outputs it; returns its DVC output."""
+    from dvc.exceptions import OutputNotFoundError
+
+    _require_inside(repo, root)
     try:
         (out,) = repo.find_outs_by_path(str(root), strict=True)
     except OutputNotFoundError:
-        # A `.dvc` record git ignores is one DVC cannot find again (and `dvc add` refuses it in a git checkout).
+        # A `.dvc` record git ignores is one DVC cannot find again (`dvc add` refuses some, not all, of them);
+        # without git (NoSCM) nothing is ignored.
         record = root.parent / f"{root.name}.dvc"
-        try:
-            ignored = repo.scm.is_ignored(str(record))
-        except (AttributeError, NotImplementedError):  # no git here: nothing ignores it
-            ignored = False
-        try:
-            if ignored:
-                raise FileIsGitIgnored(str(record))
-            (stage,) = repo.add(str(root), relink=False)
-        except FileIsGitIgnored:
+        if repo.scm.is_ignored(str(record)):
             raise ConfigError(f"DVC will not track data.root {root}: its record {record.name} would be ignored by "
                               f"git; un-ignore it in .gitignore (e.g. '!/{root.parent.relative_to(repo.root_dir)}"
                               f"/*.dvc'), or set data.version: none") from None
+        (stage,) = repo.add(str(root), relink=False)
         return stage.outs[0]
     if out.stage.is_data_source:
         # A `.dvc` file of its own: re-add records the folder as it is now. relink=False: the files stay as

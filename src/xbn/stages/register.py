@@ -177,7 +177,7 @@ def parent_tags(checkpoint: Path) -> dict[str, str]:
     return {PARENT_TAG: Path(str(init["from"])).name} if init.get("from") else {}
 
 
-def data_changes(params: Params, registry: Registry, before: ModelVersionInfo | None,
+def data_changes(registry: Registry, before: ModelVersionInfo | None,
                  after: ModelVersionInfo | None) -> str | None:
     """What changed between two versions' training data, from the snapshots their runs recorded: one line of
     counts and examples, or why it cannot be said."""
@@ -214,7 +214,7 @@ def review(params: Params) -> str:
             pass
     if champion is None and challenger is None:
         return f"{params.registry.model_name}: no champion and no challenger registered yet"
-    changes = data_changes(params, registry, champion, challenger)
+    changes = data_changes(registry, champion, challenger)
     return (review_table(params, champion, challenger, other_title) + ("\n" + changes if changes else "") + "\n"
             + history_lines(history, REVIEW_HISTORY))
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pandas as pd
 
-from xbn.config import ConfigError, Params, flatten
+from xbn.config import ConfigError, Params
 from xbn.data.snapshot import DATA_FILES, DataSnapshot
 from xbn.stages.promotion import CHAMPION
 
@@ -44,10 +44,11 @@ class Plan:
 
 
 def request_hash(params: Params) -> str:
-    """sha256 of the params as requested (sorted flattened JSON), the same construction as `params_hash`."""
-    import hashlib
+    """The params as requested, hashed as every params hash is (`params_hash`): before the flow chooses
+    train.init or tunes, so that it compares with the champion's `params_hash` for a version without the tag."""
+    from xbn.tracking import params_hash
 
-    return hashlib.sha256(json.dumps(flatten(params), sort_keys=True, default=str).encode()).hexdigest()
+    return params_hash(params)
 
 
 def plan(params: Params, data: DataSnapshot, force: bool = False) -> Plan:
