@@ -11,6 +11,9 @@ os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # its thread races client requests (see Makefile)
+# The bf16 fast paths (xbn.utils.cpu) are off unless a test turns them on: runs that tests compare across
+# processes must not differ by a probe. tests/evaluation/test_inference.py and the kNN tests pin both branches.
+os.environ.setdefault("XBN_CPU_BF16", "0")
 
 from tests_support import ROOT, TINY  # noqa: E402
 

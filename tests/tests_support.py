@@ -47,7 +47,7 @@ def split_embeddings(params, split: str, model_path: str | Path = "models/model.
     return embed_split(
         model, read_manifest(params.data.manifest), params.data.root, split,
         image_size=params.data.image_size, mean=data_config["mean"], std=data_config["std"],
-        batch_size=params.eval.batch_size, num_workers=0, device=torch.device("cpu"), amp=False)
+        batch_size=params.eval.batch_size, num_workers=0, device=torch.device("cpu"))
 
 
 def recomputed_recall_at_1(params, split: str, model_path: str | Path = "models/model.pt") -> float:

@@ -17,6 +17,7 @@ from xbn.config.schema import (
     EvalConfig,
     GlyphsConfig,
     IndexConfig,
+    InferenceConfig,
     KalmanConfig,
     LossConfig,
     MemoryConfig,
@@ -36,7 +37,7 @@ from xbn.config.schema import (
 )
 
 __all__ = ["DATASETS", "DEVICES", "LAMBDA_KEY", "MEMORY_METHODS", "ConfigError", "DataConfig", "EvalConfig",
-           "GlyphsConfig", "IndexConfig", "KalmanConfig", "LossConfig", "MemVirConfig", "MemoryConfig",
+           "GlyphsConfig", "IndexConfig", "InferenceConfig", "KalmanConfig", "LossConfig", "MemVirConfig", "MemoryConfig",
            "ModelConfig", "MpnConfig", "Params", "RefineConfig", "RegistryConfig", "RhoConfig",
            "SamplerConfig", "ServeConfig", "TrackingConfig", "TrainConfig", "TuneConfig", "ValidateConfig",
            "apply_overrides", "close_matches", "flatten", "load_params"]

@@ -306,6 +306,16 @@ class EvalConfig(Section):
         return self
 
 
+class InferenceConfig(Section):
+    """How a trained model embeds at evaluate, index, embed, search and serve (xbn.evaluation.inference)."""
+
+    # auto: bfloat16 autocast where the CPU has native bf16 (AVX512-BF16, AMX) and a start-up probe measures it
+    # faster, and on CUDA; float32 / bfloat16 force it. Embeddings stay within cosine 0.999 of float32.
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"
+    # auto: channels_last where the probe measures it faster (on CUDA always); true / false force it.
+    channels_last: Literal["auto"] | bool = Field("auto", union_mode="left_to_right")
+
+
 class RefineConfig(Section):
     """Stage `refine` (seed 001): T residual cross-attention blocks refine a frozen embedding against its k
     nearest neighbours in the reference set, trained with the multi-similarity loss."""
@@ -569,6 +579,7 @@ class Params(Section):
     loss: LossConfig = LossConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    inference: InferenceConfig = InferenceConfig()
     refine: RefineConfig = RefineConfig()
     validate: ValidateConfig = ValidateConfig()
     tracking: TrackingConfig = TrackingConfig()

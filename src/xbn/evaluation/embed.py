@@ -13,14 +13,16 @@ from torch.utils.data import DataLoader
 
 from xbn.data import ImageDataset, build_transform, encode_labels
 from xbn.data.dataset import collate_skipping, loader_worker_init
+from xbn.evaluation.inference import FLOAT32, InferenceMode, run
 from xbn.evaluation.metrics import retrieval_metrics
 
 log = logging.getLogger(__name__)
 
 
 def autocast(device: torch.device, enabled: bool = True):
-    # bfloat16 needs no loss scaling; on the CPU autocast would only slow the convolutions down.
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled and device.type == "cuda")
+    """bfloat16 autocast (no loss scaling needed) when `enabled`, on any device: callers decide where it pays
+    (training: `train.amp` on CUDA only; inference: `xbn.evaluation.inference`)."""
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
 def image_loader(frame: pd.DataFrame, root: str | Path, labels: np.ndarray, transform, batch_size: int,
@@ -33,10 +35,11 @@ def image_loader(frame: pd.DataFrame, root: str | Path, labels: np.ndarray, tran
 
 
 @torch.no_grad()
-def embed(model: torch.nn.Module, loader: DataLoader, device: torch.device, amp: bool = True,
-          channels_last: bool = False, kept: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """All embeddings of a loader's images (float32, in dataset order) and their integer labels; `kept`, if
-    given, receives the dataset indices embedded (fewer than the dataset's when images were skipped)."""
+def embed(model: torch.nn.Module, loader: DataLoader, device: torch.device, mode: InferenceMode = FLOAT32,
+          kept: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """All embeddings of a loader's images (float32, in dataset order) and their integer labels, computed in
+    `mode` (memory format, precision: `xbn.evaluation.inference`; the model already prepared for it); `kept`,
+    if given, receives the dataset indices embedded (fewer than the dataset's when images were skipped)."""
     was_training = model.training
     model.eval()
     chunks, labels = [], []
@@ -45,11 +48,8 @@ def embed(model: torch.nn.Module, loader: DataLoader, device: torch.device, amp:
             kept.extend(int(i) for i in indices)
         if not len(targets):  # every image of the batch was skipped
             continue
-        images = images.to(device, non_blocking=True)
-        if channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
-        with autocast(device, amp):
-            chunks.append(model(images).float().cpu())
+        out, mode = run(model, images.to(device, non_blocking=True), mode, device)
+        chunks.append(out.cpu())
         labels.append(targets)
     model.train(was_training)
     return torch.cat(chunks).numpy(), torch.cat(labels).numpy()
@@ -81,7 +81,7 @@ class ProtocolEmbeddings(NamedTuple):
 
 def embed_protocol(model: torch.nn.Module, manifest: pd.DataFrame, root: str | Path, split: str, *,
                    image_size: int, mean, std, batch_size: int, num_workers: int, device: torch.device,
-                   amp: bool = True, channels_last: bool = False) -> ProtocolEmbeddings:
+                   mode: InferenceMode = FLOAT32) -> ProtocolEmbeddings:
     """Embed the queries and references of a split of the manifest (see `retrieval_protocol`)."""
     codes = dict(zip(manifest["label"], encode_labels(manifest["label"])))
     transform = build_transform(image_size, training=False, mean=mean, std=std)
@@ -95,7 +95,7 @@ def embed_protocol(model: torch.nn.Module, manifest: pd.DataFrame, root: str | P
         loader = image_loader(frame, root, frame["label"].map(codes).to_numpy(), transform, batch_size,
                               num_workers, device, skip_unreadable=True)
         kept: list[int] = []
-        result = embed(model, loader, device, amp, channels_last, kept=kept)
+        result = embed(model, loader, device, mode, kept=kept)
         lost = sorted(set(range(len(frame))) - set(kept))
         if paths is not None:
             paths.extend(frame["path"].iloc[sorted(kept)].astype(str))
@@ -112,12 +112,11 @@ def embed_protocol(model: torch.nn.Module, manifest: pd.DataFrame, root: str | P
 
 def evaluate_split(model: torch.nn.Module, manifest: pd.DataFrame, root: str | Path, split: str, *,
                    image_size: int, mean, std, ks, batch_size: int, num_workers: int, device: torch.device,
-                   amp: bool = True, channels_last: bool = False, query_chunk: int = 4096, nmi: bool = True,
+                   mode: InferenceMode = FLOAT32, query_chunk: int = 4096, nmi: bool = True,
                    return_embeddings: bool = False):
     """Retrieval metrics of `model` on a split of the manifest (see `retrieval_protocol`)."""
     e = embed_protocol(model, manifest, root, split, image_size=image_size, mean=mean, std=std,
-                       batch_size=batch_size, num_workers=num_workers, device=device, amp=amp,
-                       channels_last=channels_last)
+                       batch_size=batch_size, num_workers=num_workers, device=device, mode=mode)
     metrics = retrieval_metrics(e.query_emb, e.query_labels, e.reference_emb, e.reference_labels,
                                 ks=tuple(ks), chunk_size=query_chunk, device=str(device), nmi=nmi)
     # Counted (the `num_` prefix keeps it out of the quality scores) and named, for eval.json.
@@ -129,8 +128,8 @@ def evaluate_split(model: torch.nn.Module, manifest: pd.DataFrame, root: str | P
 
 
 def embed_split(model: torch.nn.Module, manifest: pd.DataFrame, root: str | Path, split: str, *, image_size: int,
-                mean, std, batch_size: int, num_workers: int, device: torch.device, amp: bool = True,
-                channels_last: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                mean, std, batch_size: int, num_workers: int, device: torch.device,
+                mode: InferenceMode = FLOAT32) -> tuple[np.ndarray, np.ndarray]:
     """Embeddings and integer labels of one split's rows, in manifest order (e.g. `train` for the
     embedding-space metrics of `embedding_space.py`)."""
     frame = manifest[manifest["split"] == split]
@@ -141,4 +140,4 @@ def embed_split(model: torch.nn.Module, manifest: pd.DataFrame, root: str | Path
     # The rows only feed statistics: an image unreadable since `validate` is left out (and logged).
     loader = image_loader(frame, root, frame["label"].map(codes).to_numpy(), transform, batch_size, num_workers,
                           device, skip_unreadable=True)
-    return embed(model, loader, device, amp, channels_last)
+    return embed(model, loader, device, mode)

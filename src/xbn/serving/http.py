@@ -101,9 +101,11 @@ class LocalModelSource:
         image_size: int,
         name: str = "local",
         device: str = "cpu",
+        inference: dict[str, Any] | None = None,
     ) -> None:
         self.model_path, self.index_dir = Path(model_path), Path(index_dir)
         self.image_size, self.name, self.device = image_size, name, device
+        self.inference = inference or {}  # `inference` params: precision, channels_last
 
     def __str__(self) -> str:
         return f"{self.model_path} with the index {self.index_dir}"
@@ -122,7 +124,7 @@ class LocalModelSource:
             raise FileNotFoundError(f"no model at {self.model_path} or no index at {self.index_dir}")
         return _loaded(
             version,
-            load_served_model(self.model_path, self.image_size, self.device),
+            load_served_model(self.model_path, self.image_size, self.device, **self.inference),
             CatalogueIndex.load(self.index_dir),
             self.name,
             None,
@@ -144,9 +146,11 @@ class RegistryModelSource:
         image_size: int | None = None,
         device: str = "cpu",
         pinned: int | None = None,
+        inference: dict[str, Any] | None = None,
     ) -> None:
         self.registry, self.fetch_index, self.cache_dir = registry, fetch_index, Path(cache_dir)
         self.alias, self.image_size, self.device, self.pinned = alias, image_size, device, pinned
+        self.inference = inference or {}  # `inference` params: precision, channels_last
 
     def __str__(self) -> str:
         return f"{self.registry.name} v{self.pinned}" if self.pinned is not None else \
@@ -169,7 +173,7 @@ class RegistryModelSource:
         size = self.image_size or checkpoint.image_size
         if size is None:
             raise ValueError(f"{self.registry.name} v{info.version} records no image size: pass image_size")
-        return info, load_served_model(checkpoint.path, size, self.device)
+        return info, load_served_model(checkpoint.path, size, self.device, **self.inference)
 
     def load(self) -> Loaded:
         info, model = self.load_model()

@@ -22,6 +22,7 @@ from timm.data import DEFAULT_CROP_PCT
 from xbn.data import build_transform
 from xbn.data.images import UnreadableImage, open_rgb  # noqa: F401 -- UnreadableImage re-exported
 from xbn.evaluation.embed import embed, image_loader
+from xbn.evaluation.inference import FLOAT32, InferenceMode, choose_inference_mode, run
 from xbn.models import load_embedder
 from xbn.utils.io import file_digest
 
@@ -45,6 +46,7 @@ class ServedModel:
     sha256: str  # of the checkpoint file: ties an index to the model that built it
     device: torch.device
     data_config: dict[str, Any]
+    mode: InferenceMode = FLOAT32  # memory format and precision (`inference` params; recorded in index.json)
 
     @property
     def decode_side(self) -> int:
@@ -58,7 +60,8 @@ class ServedModel:
         """float32 [N, D] unit-norm embeddings of a preprocessed batch."""
         if not len(batch):
             return np.empty((0, self.embedding_dim), dtype=np.float32)
-        return self.model(batch.to(self.device)).float().cpu().numpy()
+        out, self.mode = run(self.model, batch.to(self.device), self.mode, self.device)
+        return out.cpu().numpy()
 
     def embed_images(self, images: Sequence[Image.Image], batch_size: int = 64) -> np.ndarray:
         """Embeddings of RGB PIL images, in order, `batch_size` at a time (bounds peak memory)."""
@@ -86,8 +89,7 @@ class ServedModel:
             skip_unreadable=True,
         )
         kept: list[int] = []
-        # amp off: embeddings must not depend on the machine (bfloat16 on CUDA only): an index is reused.
-        emb, _ = embed(self.model, loader, self.device, amp=False, kept=kept)
+        emb, _ = embed(self.model, loader, self.device, self.mode, kept=kept)
         if not kept:
             emb = np.empty((0, self.embedding_dim), dtype=np.float32)
         kept_set = set(kept)
@@ -96,11 +98,13 @@ class ServedModel:
         )
 
 
-def load_served_model(path: str | Path, image_size: int, device: str | torch.device = "cpu") -> ServedModel:
-    """The embedder checkpoint at `path` (as `xbn train` writes models/model.pt), served at `image_size`."""
+def load_served_model(path: str | Path, image_size: int, device: str | torch.device = "cpu",
+                      precision: str = "auto", channels_last: bool | str = "auto") -> ServedModel:
+    """The embedder checkpoint at `path` (as `xbn train` writes models/model.pt), served at `image_size`, in the
+    mode `inference.precision` and `inference.channels_last` choose (`xbn.evaluation.inference`)."""
     device = torch.device(device)
     model, data_config, _ = load_embedder(path, map_location=device)
-    return served(model, data_config, image_size, file_digest(path), device)
+    return served(model, data_config, image_size, file_digest(path), device, precision, channels_last)
 
 
 def served(
@@ -109,17 +113,22 @@ def served(
     image_size: int,
     sha256: str = "",
     device: str | torch.device = "cpu",
+    precision: str = "auto",
+    channels_last: bool | str = "auto",
 ) -> ServedModel:
     """Wrap an in-memory embedder (e.g. the one `xbn register` just evaluated) for serving."""
     transform = build_transform(image_size, training=False, mean=data_config["mean"], std=data_config["std"])
+    device = torch.device(device)
+    mode = choose_inference_mode(model, device, image_size, precision, channels_last)
     return ServedModel(
-        model.eval(),
+        mode.prepare(model.eval()),
         transform,
         int(image_size),
         int(model.embedding_dim),
         sha256,
-        torch.device(device),
+        device,
         dict(data_config),
+        mode,
     )
 
 

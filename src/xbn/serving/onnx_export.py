@@ -10,6 +10,7 @@ torch on real images before it is trusted.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from xbn.evaluation.inference import FLOAT32
 from xbn.serving.model import ServedModel, open_image
 from xbn.utils.io import atomic_path
 
@@ -36,7 +38,8 @@ def export_onnx(model: ServedModel, path: str | Path, opset: int = OPSET) -> Pat
     """Write `model` as a single ONNX file at `path` (atomically) with a dynamic batch axis."""
     import onnx
 
-    module = copy.deepcopy(model.model).cpu().eval()  # the served copy may sit on a GPU; export on the CPU
+    # The served copy may sit on a GPU or in channels_last: the graph is exported from an NCHW copy on the CPU.
+    module = copy.deepcopy(model.model).cpu().eval().to(memory_format=torch.contiguous_format)
     size = model.image_size
     # Batch 2, not 1: torch.export specialises a dimension of size 1 to a constant.
     example = torch.zeros(2, 3, size, size)
@@ -94,7 +97,7 @@ def check_parity(
     if not image_paths:
         raise ValueError("parity needs at least one image")
     batch = torch.stack([model.transform(open_image(p)) for p in image_paths])
-    expected = model.embed_tensors(batch)
+    expected = dataclasses.replace(model, mode=FLOAT32).embed_tensors(batch)  # the graph is float32
     got = onnx_embed(path, batch.numpy())
     diff = float(np.abs(got - expected).max())
     log.info("ONNX parity on %d image(s): max |diff| %.2e (tolerance %.0e)", len(image_paths), diff, atol)

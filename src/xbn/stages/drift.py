@@ -84,9 +84,11 @@ def _embed(params: Params, checkpoint: str | Path, old: pd.DataFrame, new: pd.Da
     import torch
 
     from xbn.evaluation.embed import embed_split
+    from xbn.evaluation.inference import inference_mode
     from xbn.models import load_embedder
 
     model, data_config, _ = load_embedder(checkpoint, map_location="cpu", verify=False)  # checked on download
+    mode = inference_mode(params, model, torch.device("cpu"))
     frame = pd.concat([old.assign(split="old"), new.assign(split="new")], ignore_index=True)
     codes = dict(enumerate(sorted(frame["label"].unique())))  # embed_split's label codes: the sorted labels
     out = []
@@ -94,7 +96,7 @@ def _embed(params: Params, checkpoint: str | Path, old: pd.DataFrame, new: pd.Da
         emb, labels = embed_split(model, frame, params.data.root, split, image_size=params.data.image_size,
                                   mean=data_config["mean"], std=data_config["std"],
                                   batch_size=params.eval.batch_size, num_workers=0, device=torch.device("cpu"),
-                                  amp=False)
+                                  mode=mode)
         out += [np.asarray(emb, dtype=np.float64), np.array([codes[int(c)] for c in labels])]
     return tuple(out)
 

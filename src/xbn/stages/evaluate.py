@@ -8,6 +8,7 @@ from pathlib import Path
 from xbn.config import Params
 from xbn.data import read_manifest
 from xbn.evaluation.embed import evaluate_split
+from xbn.evaluation.inference import inference_mode
 from xbn.models import build_embedder, load_embedder
 from xbn.utils.runtime import resolve_device, seed_everything
 from xbn.utils.io import write_csv, write_json
@@ -27,18 +28,21 @@ def evaluate(params: Params) -> dict:
     manifest = read_manifest(params.data.manifest)
     model, data_config, checkpoint = load_embedder(path, map_location=device)
     model.to(device)
+    mode = inference_mode(params, model, device)
 
     def score(m, **kwargs):
         return evaluate_split(
             m, manifest, params.data.root, params.eval.split, image_size=params.data.image_size,
             mean=data_config["mean"], std=data_config["std"], ks=params.eval.k, batch_size=params.eval.batch_size,
-            num_workers=params.data.num_workers, device=device, amp=params.train.amp,
+            num_workers=params.data.num_workers, device=device, mode=mode,
             query_chunk=params.eval.query_chunk, **kwargs)
 
     metrics, (q_emb, q_lab, r_emb, r_lab) = score(model, return_embeddings=True)
     metrics["epoch"] = checkpoint.get("epoch")
+    metrics["inference"] = mode.record()  # bf16, channels_last (1/0) and the probe's rates: logged to MLflow
     skipped = metrics.pop("skipped_images")  # logged by name; eval.json keeps the count (numbers only)
-    spectrum = _embedding_space(params, model, manifest, data_config, device, metrics, q_emb, q_lab, r_emb, r_lab)
+    spectrum = _embedding_space(params, model, manifest, data_config, device, mode, metrics, q_emb, q_lab, r_emb,
+                                r_lab)
     if params.model.mpn.test_time:  # Intra-Batch's ablation: the MPN at test time, next to the plain metrics
         metrics["mpn"] = _mpn_metrics(params, device, q_emb, q_lab, r_emb, r_lab)
     from xbn.stages.refine import evaluate_refined
@@ -49,7 +53,8 @@ def evaluate(params: Params) -> dict:
     if params.eval.baseline:
         seed_everything(params.train.seed)  # the same fresh head the training run started from
         untrained, _ = build_embedder(params.model)
-        metrics["untrained"] = {k: v for k, v in score(untrained.to(device)).items() if "@" in k or k == "nmi"}
+        untrained = mode.prepare(untrained.to(device))
+        metrics["untrained"] = {k: v for k, v in score(untrained).items() if "@" in k or k == "nmi"}
     write_json(params.eval.output, metrics)
     write_csv(Path(params.eval.output).with_name("recall_at_k.csv"),
               [{"k": k, "recall": metrics[f"recall@{k}"]} for k in params.eval.k])
@@ -62,8 +67,8 @@ def evaluate(params: Params) -> dict:
     return metrics
 
 
-def _embedding_space(params: Params, model, manifest, data_config, device, metrics: dict, q_emb, q_lab, r_emb,
-                     r_lab) -> list[dict]:
+def _embedding_space(params: Params, model, manifest, data_config, device, mode, metrics: dict, q_emb, q_lab,
+                     r_emb, r_lab) -> list[dict]:
     """Roth et al. 2020's embedding-space metrics into `metrics` (top-level numbers, so they reach MLflow),
     from the training split's embeddings and the evaluated split's; returns the training spectrum's rows."""
     if not params.eval.embedding_space:
@@ -74,7 +79,7 @@ def _embedding_space(params: Params, model, manifest, data_config, device, metri
     train_emb, train_lab = embed_split(
         model, manifest, params.data.root, "train", image_size=params.data.image_size, mean=data_config["mean"],
         std=data_config["std"], batch_size=params.eval.batch_size, num_workers=params.data.num_workers,
-        device=device, amp=params.train.amp)
+        device=device, mode=mode)
     values, spectrum = embedding_space_metrics(
         train_emb, train_lab, q_emb, q_lab, r_emb, r_lab, spectrum_skip=params.eval.spectrum_skip,
         seed=params.train.seed, chunk_size=params.eval.query_chunk, device=str(device))

@@ -28,7 +28,8 @@ def local_model(params: Params) -> ServedModel:
     path = Path(params.train.checkpoint_dir) / "model.pt"
     if not path.exists():
         raise FileNotFoundError(f"no trained model at {path}: run `xbn train` first")
-    return load_served_model(path, params.data.image_size, resolve_device(params.train.device))
+    return load_served_model(path, params.data.image_size, resolve_device(params.train.device),
+                             **params.inference.model_dump())
 
 
 def registered_version(params: Params, sha256: str):

@@ -220,6 +220,7 @@ def score(params: Params, checkpoint: str | Path, image_size: int | None = None)
     `data.image_size`, normalised as the checkpoint records) and score it, per query too."""
     from xbn.data import read_manifest
     from xbn.evaluation.embed import embed_protocol
+    from xbn.evaluation.inference import choose_inference_mode
     from xbn.evaluation.metrics import retrieval_metrics
     from xbn.models import load_embedder
     from xbn.utils.runtime import resolve_device
@@ -227,11 +228,13 @@ def score(params: Params, checkpoint: str | Path, image_size: int | None = None)
     cfg = params.registry
     device = resolve_device(params.train.device)
     model, data_config, _ = load_embedder(checkpoint, map_location=device)
+    size = image_size or params.data.image_size
+    mode = choose_inference_mode(model, device, size, params.inference.precision, params.inference.channels_last)
     embedded = embed_protocol(
         model, read_manifest(params.data.manifest), params.data.root, cfg.gate_split,
-        image_size=image_size or params.data.image_size, mean=data_config["mean"], std=data_config["std"],
+        image_size=size, mean=data_config["mean"], std=data_config["std"],
         batch_size=params.eval.batch_size, num_workers=params.data.num_workers, device=device,
-        amp=params.train.amp)
+        mode=mode)
     metrics, per_query = retrieval_metrics(
         embedded.query_emb, embedded.query_labels, embedded.reference_emb, embedded.reference_labels,
         ks=_ks(params), chunk_size=params.eval.query_chunk, device=str(device),

@@ -41,6 +41,7 @@ import torch
 from xbn.config import ConfigError, Params
 from xbn.data import ClassBalancedBatchSampler, build_transform, encode_labels, read_manifest
 from xbn.evaluation.embed import embed, embed_protocol, image_loader
+from xbn.evaluation.inference import inference_mode
 from xbn.evaluation.knn import knn_search
 from xbn.evaluation.metrics import retrieval_metrics
 from xbn.models.refiner import ContextRefiner, load_refiner, save_refiner
@@ -63,6 +64,7 @@ def refine(params: Params) -> dict:
 
     device = resolve_device(params.train.device)
     model, data_config, _ = load_embedder(model_path, map_location=device)
+    mode = inference_mode(params, model, device)
     if model.embedding_dim % cfg.heads:
         raise ConfigError(f"refine.heads ({cfg.heads}) must divide model.embedding_dim "
                           f"({model.embedding_dim})")
@@ -77,7 +79,7 @@ def refine(params: Params) -> dict:
                                     std=data_config["std"], augment=cfg.views_augment)
         loader = image_loader(frame, params.data.root, frame["label"].map(codes).to_numpy(), transform,
                               params.eval.batch_size, params.data.num_workers, device)
-        emb, labels = embed(model, loader, device, params.train.amp)
+        emb, labels = embed(model, loader, device, mode)
         return torch.from_numpy(emb), labels
 
     seed_everything(cfg.seed)  # the augmented views are drawn reproducibly
@@ -89,7 +91,7 @@ def refine(params: Params) -> dict:
     # The test protocol, plain and refined with the selected refiner: reported, never selected on.
     test = embed_protocol(model, manifest, params.data.root, params.eval.split, image_size=params.data.image_size,
                           mean=data_config["mean"], std=data_config["std"], batch_size=params.eval.batch_size,
-                          num_workers=params.data.num_workers, device=device, amp=params.train.amp)
+                          num_workers=params.data.num_workers, device=device, mode=mode)
     protocol = (test.query_emb, test.query_labels, test.reference_emb, test.reference_labels)
     summary["test_plain_recall@1"] = retrieval_metrics(*protocol, ks=(1,), nmi=False,
                                                        device=str(device))["recall@1"]

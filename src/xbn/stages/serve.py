@@ -24,11 +24,12 @@ log = logging.getLogger(__name__)
 def model_source(params: Params, version: int | None = None, local: bool = False):
     """The `ModelSource` of the command line's choice (see the module docstring)."""
     device = str(resolve_device(params.train.device))
+    inference = params.inference.model_dump()
     if local:
         if version is not None:
             raise ConfigError("--local serves models/model.pt: it cannot be combined with --model-version")
         return LocalModelSource(Path(params.train.checkpoint_dir) / "model.pt", params.index.output,
-                                params.data.image_size, device=device)
+                                params.data.image_size, device=device, inference=inference)
     if not params.tracking.enabled:
         raise ConfigError("tracking.enabled is false, so there is no registry to serve from: pass --local "
                           "(models/model.pt with the index at index.output)")
@@ -36,7 +37,7 @@ def model_source(params: Params, version: int | None = None, local: bool = False
 
     registry = Registry(params)
     return RegistryModelSource(registry, registry.fetch_index, params.serve.cache_dir, alias=params.serve.alias,
-                               device=device, pinned=version)
+                               device=device, pinned=version, inference=inference)
 
 
 def _registry_failure(source, exc: Exception) -> RegistryError:
@@ -75,7 +76,7 @@ def load_model(params: Params, version: int | None = None, local: bool = False) 
 
         if not source.model_path.exists():
             raise FileNotFoundError(f"no trained model at {source.model_path}: run `xbn train` first")
-        return load_served_model(source.model_path, source.image_size, source.device)
+        return load_served_model(source.model_path, source.image_size, source.device, **source.inference)
     _require_version(source)
     return source.load_model()[1]
 

@@ -42,6 +42,7 @@ from xbn.data.dataset import collate_skipping, loader_worker_init
 from xbn.data.samplers import build_batch_sampler
 from xbn.evaluation.embed import autocast, evaluate_split, image_loader
 from xbn.evaluation.embed import embed as embed_images
+from xbn.evaluation.inference import InferenceMode
 from xbn.training.criterion import Criterion, build_criterion
 from xbn.models import InitialWeights, build_embedder, save_embedder
 from xbn.models.mpn import save_mpn
@@ -354,8 +355,8 @@ class Trainer:
         metrics = evaluate_split(
             self.model, self.manifest, p.data.root, "val", image_size=p.data.image_size,
             mean=self.data_config["mean"], std=self.data_config["std"], ks=(1, 2, 4, 8),
-            batch_size=p.eval.batch_size, num_workers=p.data.num_workers, device=self.device, amp=self.amp,
-            channels_last=self.channels_last, nmi=False)
+            batch_size=p.eval.batch_size, num_workers=p.data.num_workers, device=self.device,
+            mode=self.inference_mode, nmi=False)
         return {f"val_{k}": float(v) for k, v in metrics.items() if k in ("recall@1", "recall@2", "recall@4", "map@r")}
 
     def _validate_on_main(self) -> dict:
@@ -542,7 +543,12 @@ class Trainer:
         p = self.params
         loader = image_loader(frame, p.data.root, labels, self.eval_transform, p.eval.batch_size,
                               p.data.num_workers, self.device)
-        self.batches.fill(embed_images(self.model, loader, self.device, self.amp, self.channels_last)[0])
+        self.batches.fill(embed_images(self.model, loader, self.device, self.inference_mode)[0])
+
+    @property
+    def inference_mode(self) -> InferenceMode:
+        """Validation and the sampler's bank embed as training runs: its memory format, bf16 with train.amp."""
+        return InferenceMode(self.channels_last, self.amp, "train")
 
     def _log_step(self, loss: float) -> None:
         with autocast(self.device, self.amp):

@@ -1,0 +1,144 @@
+"""Inference mode (issue 28 items 1-2): each branch of the run-time choice forced on any CPU, the probe's
+decision rule, and bfloat16's parity with float32 on real images through the ImageNet-pretrained backbone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests_support import ROOT
+from xbn.config import load_params
+from xbn.evaluation import inference
+from xbn.evaluation.inference import InferenceMode, choose_inference_mode, decide
+from xbn.evaluation.knn import knn_search
+from xbn.models import build_embedder
+from xbn.serving.model import served
+
+CPU = torch.device("cpu")
+SIZE = 64
+
+
+@pytest.fixture(scope="module")
+def pretrained():
+    """The shipped backbone (tf_efficientnet_lite0, offline ImageNet weights) with its head, and its config."""
+    params = load_params(ROOT / "params.yaml", [f"data.image_size={SIZE}"])
+    torch.manual_seed(0)
+    model, data_config = build_embedder(params.model)
+    return model.eval(), data_config
+
+
+@pytest.fixture(scope="module")
+def glyph_images(tmp_path_factory):
+    from xbn.data.glyphs import generate_glyphs
+    from xbn.serving.model import open_image
+
+    root = tmp_path_factory.mktemp("inference") / "glyphs"
+    generate_glyphs(root, classes=40, images_per_class=5, image_size=SIZE, seed=3)
+    return [open_image(p) for p in sorted(root.rglob("*.png"))]
+
+
+def test_explicit_settings_are_taken_without_a_probe(monkeypatch, pretrained):
+    monkeypatch.setattr(inference, "probe", lambda *a: pytest.fail("no probe for a forced mode"))
+    model, _ = pretrained
+    assert choose_inference_mode(model, CPU, SIZE, "bfloat16", True) == InferenceMode(True, True, "params")
+    assert choose_inference_mode(model, CPU, SIZE, "float32", False) == InferenceMode(False, False, "params")
+
+
+@pytest.mark.parametrize("forced", ["0", "1"])
+def test_the_environment_forces_the_precision_on_any_cpu(monkeypatch, pretrained, forced):
+    monkeypatch.setenv("XBN_CPU_BF16", forced)
+    monkeypatch.setattr(inference, "_PROBES", {})
+    model, _ = pretrained
+    mode = choose_inference_mode(model, CPU, SIZE, "auto", False)  # one format: nothing left to probe
+    assert mode.bf16 is (forced == "1") and mode.chosen_by == f"XBN_CPU_BF16={forced}"
+    # auto format: float32 probes both formats; bf16 runs channels_last (NCHW bf16 is no candidate)
+    mode = choose_inference_mode(model, CPU, SIZE, "auto", "auto")
+    if forced == "1":
+        assert mode == InferenceMode(True, True, "XBN_CPU_BF16=1") and not mode.rates
+    else:
+        assert not mode.bf16 and mode.chosen_by == "auto: probe"
+        assert set(mode.rates) == {"contiguous_fp32", "channels_last_fp32"}
+
+
+def test_without_native_bf16_auto_never_probes_bfloat16(monkeypatch, pretrained):
+    monkeypatch.delenv("XBN_CPU_BF16", raising=False)
+    monkeypatch.setattr(inference.cpu, "has_native_bf16", lambda: False)
+    monkeypatch.setattr(inference, "_PROBES", {})
+    mode = choose_inference_mode(pretrained[0], CPU, SIZE, "auto", "auto")
+    assert not mode.bf16 and set(mode.rates) == {"contiguous_fp32", "channels_last_fp32"}
+
+
+def test_with_native_bf16_auto_probes_and_logs_its_rates(monkeypatch, pretrained):
+    monkeypatch.delenv("XBN_CPU_BF16", raising=False)
+    monkeypatch.setattr(inference.cpu, "has_native_bf16", lambda: True)
+    monkeypatch.setattr(inference, "_PROBES", {})
+    mode = choose_inference_mode(pretrained[0], CPU, SIZE, "auto", "auto")
+    # bf16 in NCHW is not a candidate when the format is free (see choose_inference_mode)
+    assert set(mode.rates) == {"contiguous_fp32", "channels_last_fp32", "channels_last_bf16"}
+    assert min(mode.rates.values()) > 0 and mode.record()["bf16"] == float(mode.bf16)
+    assert choose_inference_mode(pretrained[0], CPU, SIZE, "auto", "auto") is mode  # cached: one probe
+
+
+@pytest.mark.parametrize(("rates", "expected"), [
+    # bf16 must beat the best float32 by 1.2x, channels_last the contiguous format by 1.05x
+    ({"contiguous_fp32": 100, "channels_last_fp32": 150, "channels_last_bf16": 170}, (True, False)),
+    ({"contiguous_fp32": 100, "channels_last_fp32": 150, "channels_last_bf16": 190}, (True, True)),
+    ({"contiguous_fp32": 100, "channels_last_fp32": 104, "channels_last_bf16": 110}, (False, False)),
+])
+def test_decide_keeps_the_margins(rates, expected):
+    candidates = ((False, False), (True, False), (True, True))
+    mode = decide({k: float(v) for k, v in rates.items()}, candidates)
+    assert (mode.channels_last, mode.bf16) == expected
+
+
+def _parity(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """(lowest cosine between rows, share of leave-one-out top-1 neighbours that agree)."""
+    cosine = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    top_a = knn_search(a, a, 1, exclude_self=True)[1][:, 0]
+    top_b = knn_search(b, b, 1, exclude_self=True)[1][:, 0]
+    return float(cosine.min()), float((top_a == top_b).mean())
+
+
+def test_forced_bfloat16_runs_in_bfloat16(pretrained, glyph_images):
+    model, data_config = pretrained
+    fp32 = served(model, data_config, SIZE, precision="float32", channels_last=False).embed_images(glyph_images)
+    forced = served(model, data_config, SIZE, precision="bfloat16", channels_last=True)
+    assert forced.mode.bf16 and forced.mode.channels_last and forced.mode.chosen_by == "params"
+    b = forced.embed_images(glyph_images)
+    assert b.dtype == np.float32 and np.abs(fp32 - b).max() > 1e-4  # bf16 did run: the results differ
+    assert forced.mode.bf16  # forced by params: never taken back
+    served(model, data_config, SIZE, precision="float32", channels_last=False)  # the shared model back in NCHW
+
+
+@pytest.mark.parametrize("bar", [0.999, 0.9])
+def test_what_auto_chooses_keeps_parity_with_float32(monkeypatch, pretrained, glyph_images, bar):
+    """Issue 28 item 2: auto's embeddings keep cosine >= 0.999 to float32 and the top-1 neighbour on >= 99% of
+    queries. The probe's synthetic images can pass bf16 at 64 px, glyphs do not (min cosine ~0.97 through this
+    backbone), so the first real batch takes bf16 back and the process goes on in float32. With the bar at
+    0.9 the same batch confirms bf16 (the other branch), and parity is checked at that bar."""
+    monkeypatch.setattr(inference, "PARITY_COSINE", bar)
+    model, data_config = pretrained
+    images = glyph_images
+    fp32 = served(model, data_config, SIZE, precision="float32", channels_last=False).embed_images(images)
+    monkeypatch.setattr(inference, "_PROBES", {})
+    monkeypatch.setattr(inference, "_real_cosine", [])
+    monkeypatch.setattr(inference, "decide", lambda rates, candidates, cosine: InferenceMode(
+        True, True, "auto: probe", rates, cosine))  # as on a CPU where the probe found bf16 faster
+    monkeypatch.setenv("XBN_CPU_BF16", "")
+    monkeypatch.setattr(inference.cpu, "has_native_bf16", lambda: True)
+    auto = served(model, data_config, SIZE)
+    assert auto.mode.provisional
+    b = auto.embed_images(images, batch_size=16)
+    cosine, top1 = _parity(fp32, b)
+    assert cosine >= bar, (cosine, auto.mode.describe())
+    if bar == 0.999:  # at the issue's bar; bf16 itself agreed on only 89% of the glyphs' top-1 neighbours
+        assert top1 >= 0.99, top1
+    refused = inference._real_cosine[0] < bar
+    assert auto.mode.bf16 is not refused and refused is (bar == 0.999)
+    if not refused:
+        assert np.abs(fp32 - b).max() > 1e-4  # bf16 did run
+    if refused:  # the process keeps float32 from then on, and says why
+        assert "refused on real images" in auto.mode.chosen_by
+        assert not served(model, data_config, SIZE).mode.bf16
+    served(model, data_config, SIZE, precision="float32", channels_last=False)
