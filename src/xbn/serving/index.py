@@ -172,7 +172,7 @@ def recall_at_k(
     Without `queries`, `sample` catalogue rows are the queries, held out of their own results on both sides
     (leave-one-out: a query finding itself proves nothing). A flat index scores 1.0.
     """
-    return _recall(index, GroundTruth.of(references, queries, k, sample_rows(len(references), sample, seed)))
+    return recall_on(index, GroundTruth.of(references, queries, k, sample_rows(len(references), sample, seed)))
 
 
 def sample_rows(n: int, sample: int, seed: int, avoid: np.ndarray | None = None) -> np.ndarray:
@@ -194,7 +194,7 @@ class GroundTruth:
     k: int
 
     @classmethod
-    def of(cls, references: Any, queries: Any, k: int, rows: np.ndarray) -> GroundTruth:
+    def of(cls, references: Any, queries: Any, k: int, rows: np.ndarray | None = None) -> GroundTruth:
         """Exact top-k of `queries` over `references`; without `queries`, of the catalogue `rows`."""
         references = as_float32_matrix(references, "references")
         if queries is None:
@@ -206,7 +206,8 @@ class GroundTruth:
         return cls(queries, exact, rows, k)
 
 
-def _recall(index: faiss.Index, truth: GroundTruth) -> float:
+def recall_on(index: faiss.Index, truth: GroundTruth) -> float:
+    """recall@k of `index` (as it is set now) on `truth`'s queries."""
     if truth.exact is None:
         return 1.0  # nothing to rank: no way to miss
     held_out = int(truth.rows is not None)
@@ -228,7 +229,7 @@ def tune_k_factor(
     tried = []
     for k_factor in ladder:
         set_search_params(index, {"k_factor": k_factor})
-        tried.append({"k_factor": k_factor, "recall": round(_recall(index, truth), 4)})
+        tried.append({"k_factor": k_factor, "recall": round(recall_on(index, truth), 4)})
         if tried[-1]["recall"] >= target:
             break
     reached = tried[-1]["recall"] >= target
@@ -274,7 +275,7 @@ class CatalogueIndex:
             tune = sample_rows(len(x), cfg.recall_queries, cfg.seed + 1, avoid)
             truth = GroundTruth.of(x, None, RECALL_K, tune)
             tuning = tune_k_factor(index, truth, cfg.k_factors, cfg.target_recall, params)
-        recall = _recall(index, GroundTruth.of(x, queries, RECALL_K, check))
+        recall = recall_on(index, GroundTruth.of(x, queries, RECALL_K, check))
         log.info(
             "index: %s over %d x %d, recall@%d %.4f of exact%s", kind, len(x), x.shape[1], RECALL_K, recall,
             f" (refined, k_factor {params['k_factor']})" if tuning else "",
