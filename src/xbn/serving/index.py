@@ -114,12 +114,16 @@ def build_faiss(x: np.ndarray, cfg: IndexConfig, kind: IndexType) -> tuple[faiss
 def refined(base: faiss.Index, store: str, x: np.ndarray) -> faiss.IndexRefine:
     """`base` (holding the rows `x`) wrapped in faiss's IndexRefine, which re-ranks base's candidates by the
     exact inner product with `x` kept in an fp16 (`store` "fp16") or float32 ("flat") refine index."""
-    if store == "flat":
-        exact = faiss.IndexFlatIP(base.d)
-    else:
-        exact = faiss.IndexScalarQuantizer(base.d, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
+    exact = refine_store(store, base.d)
     exact.add(x)
     return faiss.IndexRefine(base, exact)  # faiss's Python wrapper keeps both alive with it
+
+
+def refine_store(store: str, dim: int) -> faiss.Index:
+    """An empty inner-product index keeping vectors in fp16 (`store` "fp16") or float32 ("flat")."""
+    if store == "flat":
+        return faiss.IndexFlatIP(dim)
+    return faiss.IndexScalarQuantizer(dim, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
 
 
 def on_gpus(index: faiss.Index) -> faiss.Index:
@@ -204,6 +208,12 @@ class GroundTruth:
         k = min(k, len(references) - int(rows is not None))
         exact = knn_search(queries, references, k, exclude=rows)[1] if k >= 1 and len(queries) else None
         return cls(queries, exact, rows, k)
+
+    def subset(self, rows: np.ndarray) -> GroundTruth:
+        """The queries that are the catalogue rows `rows` (all among `self.rows`)."""
+        keep = np.isin(self.rows, rows)
+        exact = None if self.exact is None else self.exact[keep]
+        return GroundTruth(self.queries[keep], exact, self.rows[keep], self.k)
 
 
 def recall_on(index: faiss.Index, truth: GroundTruth) -> float:
