@@ -333,3 +333,13 @@ def test_bad_refine_settings_are_refused_by_key(override, named):
 
     with pytest.raises(ConfigError, match=named.replace(".", r"\.").replace("[", r"\[")):
         load_params(None, [override])
+
+
+def test_rows_appended_to_a_refined_ivf_pq_are_re_ranked_too():
+    x = product_like(11_000, seed=3)
+    idx = CatalogueIndex.build(x[:10_000], ids_for(10_000), IndexConfig(**PQ))
+    assert idx.append(x[10_000:], ids_for(1000, start=10_000)) == 1000
+    assert idx.index.refine_index.ntotal == idx.count == 11_000  # the fp16 store grows with the PQ lists
+    scores, rows = idx.search(x[10_500:10_600], 1)
+    assert (rows[:, 0] == np.arange(10_500, 10_600)).all()  # each new row finds itself, scored exactly
+    np.testing.assert_allclose(scores[:, 0], 1.0, atol=2e-3)
