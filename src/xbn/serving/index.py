@@ -11,9 +11,9 @@ approximation has little to buy there.
 IVF-PQ alone stops short: at 1M rows its recall@10 of exact levelled off at 0.61 whatever the nprobe, bounded
 by the codes' quantisation error. So `ivf_pq` is wrapped in faiss's `IndexRefine` (`index.refine`, default
 fp16): the PQ search returns k x k_factor candidates, re-ranked by the exact inner product with vectors kept
-beside the codes. fp16 halves flat's memory (1 KB a 512-d row) and matched its recall to 0.001 on the
-benchmark's catalogue; k_factor is chosen at build time (`tune_k_factor`), the smallest of `index.k_factors`
-reaching `index.target_recall` on held-out catalogue rows.
+beside the codes. fp16 halves flat's memory (1 KB a 512-d row) and matched its recall to 0.001 on 100k rows of
+the benchmark's catalogue; k_factor is chosen at build time (`tune_k_factor`), the smallest of
+`index.k_factors` reaching `index.target_recall` on held-out catalogue rows.
 
 On disk an index is a folder of three files, each written atomically: `index.faiss`, `ids.parquet` (path,
 label, row) and `index.json` (type, dimension, count, the model's sha256, the measured recall@10, the k_factor
@@ -193,7 +193,7 @@ class GroundTruth:
     `rows`: the catalogue rows the queries are (each left out of its own results), or None."""
 
     queries: np.ndarray
-    exact: np.ndarray
+    exact: np.ndarray | None  # None: nothing to rank (a one-row catalogue)
     rows: np.ndarray | None
     k: int
 
