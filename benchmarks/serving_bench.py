@@ -12,7 +12,11 @@
    two whose recall@10 of exact reaches 0.95 on *tuning* queries; the recall the target reads is measured on
    separate held-out queries at that nprobe.
 2. IVF-PQ vs exact (flat) over 1 000 000 x 512 (100 000 with --quick): per-query time of `CatalogueIndex.search`
-   for both on the same queries, interleaved, and IVF-PQ's recall@10 of exact. nprobe chosen as above (0.9).
+   for both on the same queries, interleaved, and IVF-PQ's recall@10 of exact. The IVF-PQ is the index's own
+   (`build_faiss`): candidates re-ranked exactly from an fp16 store (`index.refine`). nprobe: as above, with the
+   refine at the ladder's largest k_factor (so the curve is the cells' bound); then k_factor as the index build
+   chooses it (`tune_k_factor`); both to the index's default target_recall (0.95) on the tuning queries, and
+   the recall the target (0.9) reads is measured on the held-out queries.
 3. ONNX Runtime vs torch throughput of the served embedder on the CPU, batch 1 and 64, in alternating rounds.
 4. Hostile uploads (issue 27; `--only hostile`): 16 parallel `/search` requests, each an RGBA PNG just under
    serve.max_pixels (a small file that decodes to ~160 MB), against the server with its default limits, run in
@@ -116,8 +120,9 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
         recall = p.get("recall_check")
         parts = (verdict(r["p25"], r["p75"], at_least=PQ_SPEEDUP),
                  MISSED if recall is None else verdict(recall, recall, at_least=PQ_RECALL))
+        refine = f", {p['refine']} re-rank k_factor {p['k_factor']}" if p.get("k_factor") else ""
         out.append({"what": f"exact / IVF-PQ query time >= {PQ_SPEEDUP:g} with recall@10 >= {PQ_RECALL}, "
-                            f"{p['rows']} rows, nprobe {p['nprobe']}",
+                            f"{p['rows']} rows, nprobe {p['nprobe']}{refine}",
                     "value": f"{r['median']} [{r['p25']}, {r['p75']}]; recall@10 {recall}",
                     "verdict": combine(*parts)})
     if h := data.get("hostile"):
@@ -174,14 +179,14 @@ def ivf_index(x: np.ndarray, kind: str, nlist: int, seed: int, **params):
     return CatalogueIndex(index, ids, {"type": kind, "params": built})
 
 
-def recall_curve(catalogue_index, x: np.ndarray, queries: np.ndarray, probes) -> list[dict[str, Any]]:
-    """recall@10 of exact (`xbn.serving.index.recall_at_k`) at each nprobe."""
-    from xbn.serving.index import recall_at_k, set_search_params
+def recall_curve(catalogue_index, truth, probes) -> list[dict[str, Any]]:
+    """recall@10 of exact (`xbn.serving.index.recall_on`, on the `GroundTruth` `truth`) at each nprobe."""
+    from xbn.serving.index import recall_on, set_search_params
 
     curve = []
     for nprobe in probes:
         set_search_params(catalogue_index.index, {"nprobe": nprobe})
-        curve.append({"nprobe": nprobe, "recall": round(recall_at_k(catalogue_index.index, x, queries, K), 4)})
+        curve.append({"nprobe": nprobe, "recall": round(recall_on(catalogue_index.index, truth), 4)})
         if curve[-1]["recall"] >= 0.999:
             break
     return curve
@@ -190,16 +195,29 @@ def recall_curve(catalogue_index, x: np.ndarray, queries: np.ndarray, probes) ->
 def tuned(catalogue_index, x, tune, check, target: float) -> dict[str, Any]:
     """nprobe chosen on `tune` (the smallest power of two reaching `target`; when none does, the smallest within
     0.005 of the best recall seen: more cells would only cost time), and the recall on the held-out `check`
-    queries at it; the index is left at that nprobe."""
-    from xbn.serving.index import recall_at_k, set_search_params
+    queries at it; the index is left at that nprobe. A refined IVF-PQ's curve is taken at the ladder's largest
+    k_factor (what the cells allow), then its k_factor chosen at that nprobe as `CatalogueIndex.build` does."""
+    import faiss
 
-    nlist = catalogue_index.index.nlist
-    curve = recall_curve(catalogue_index, x, tune, [2**i for i in range(int(math.log2(nlist)) + 1)])
+    from xbn.config import IndexConfig
+    from xbn.serving.index import GroundTruth, recall_on, set_search_params, tune_k_factor
+
+    params = catalogue_index.meta["params"]
+    ladder = IndexConfig().k_factors
+    tune_truth = GroundTruth.of(x, tune, K)
+    nlist = faiss.extract_index_ivf(catalogue_index.index).nlist
+    if "k_factor" in params:
+        set_search_params(catalogue_index.index, {"k_factor": ladder[-1]})
+    curve = recall_curve(catalogue_index, tune_truth, [2**i for i in range(int(math.log2(nlist)) + 1)])
     nprobe = choose_nprobe(curve, target) or choose_nprobe(curve, max(p["recall"] for p in curve) - 0.005)
-    catalogue_index.meta["params"]["nprobe"] = nprobe
-    set_search_params(catalogue_index.index, {"nprobe": nprobe})
-    return {"nlist": nlist, "curve": curve, "nprobe": nprobe, "reached_on_tuning": choose_nprobe(curve, target)
-            is not None, "recall_check": round(recall_at_k(catalogue_index.index, x, check, K), 4)}
+    params["nprobe"] = nprobe
+    set_search_params(catalogue_index.index, params)
+    out = {"nlist": nlist, "curve": curve, "nprobe": nprobe,
+           "reached_on_tuning": choose_nprobe(curve, target) is not None}
+    if "k_factor" in params:
+        tuning = tune_k_factor(catalogue_index.index, tune_truth, ladder, target, params)
+        out |= {"refine": params["refine"], "k_factor": params["k_factor"], "k_factor_ladder": tuning["ladder"]}
+    return out | {"recall_check": round(recall_on(catalogue_index.index, GroundTruth.of(x, check, K)), 4)}
 
 
 def timed_ms(fn, *args) -> float:
@@ -448,10 +466,10 @@ def bench_ivf_pq(rows: int, settings: dict[str, Any], seed: int) -> dict[str, An
     # machine too long; fewer, larger cells cost query time, which only makes the ratio harder to reach.
     nlist = max(1, int(math.sqrt(rows)))
     start = time.perf_counter()
-    pq = ivf_index(x, "ivf_pq", nlist, seed, pq_m=PQ_M, pq_nbits=8)
+    pq = ivf_index(x, "ivf_pq", nlist, seed, pq_m=PQ_M, pq_nbits=8)  # refine: the index's default (fp16)
     build_s = time.perf_counter() - start
     out = {"rows": rows, "dim": DIM, "pq_m": PQ_M, "pq_nbits": 8, "build_s": round(build_s, 1), "k": K,
-           **tuned(pq, x, tune, check, PQ_RECALL)}
+           **tuned(pq, x, tune, check, IndexConfig().target_recall)}
     flat_faiss, _ = build_faiss(x, IndexConfig(type="flat"), "flat")
     flat = CatalogueIndex(flat_faiss, pd.DataFrame({"path": [], "label": [], "row": []}), {"type": "flat"})
     flat_ms, pq_ms = [], []
@@ -537,16 +555,21 @@ def render(data: dict[str, Any]) -> str:
                 "cores).", ""]
     if p := data.get("ivf_pq"):
         r = p["flat_over_ivfpq"]
+        refined = (f" Candidates re-ranked exactly from an {p['refine']} store: the nprobe curve is at the "
+                   f"ladder's largest k_factor; k_factor {p['k_factor']} is the smallest reaching the target at "
+                   f"nprobe {p['nprobe']} (ladder on tuning queries: "
+                   + ", ".join(f"{c['k_factor']}: {c['recall']}" for c in p["k_factor_ladder"])
+                   + "; k_factor 1 finds PQ's own top-k).") if p.get("k_factor") else ""
         out += [f"**IVF-PQ vs exact** over {p['rows']} x {p['dim']}: IVF{p['nlist']},PQ{p['pq_m']}x{p['pq_nbits']} "
                 f"built in {p['build_s']} s; nprobe {p['nprobe']} (curve on tuning queries: "
                 + ", ".join(f"{c['nprobe']}: {c['recall']}" for c in p["curve"])
-                + f"); recall@10 of exact on held-out queries: **{p['recall_check']}**. One query at a time, "
+                + f").{refined} Recall@10 of exact on held-out queries: **{p['recall_check']}**. One query at a time, "
                 f"{p['flat_ms']['n']} queries, interleaved: exact {p['flat_ms']['p50']} ms, IVF-PQ "
                 f"{p['ivfpq_ms']['p50']} ms (medians); exact / IVF-PQ per query **{r['median']}** "
                 f"[{r['p25']}, {r['p75']}]."
                 + (" The recall stops rising with nprobe below the target: PQ's quantisation error, not the "
                    "cells visited, bounds it (re-ranking the candidates exactly, or more bytes a vector, would "
-                   "lift it)." if _plateau(p["curve"], PQ_RECALL) else ""), ""]
+                   "lift it)." if not p.get("k_factor") and _plateau(p["curve"], PQ_RECALL) else ""), ""]
     if h := data.get("hostile"):
         out += [f"**Hostile uploads** (issue 27): {h['parallel']} parallel `/search` requests, each a {h['image']} "
                 f"({h['upload_bytes']} bytes, under serve.max_pixels {h['max_pixels']}), against the server with "

@@ -58,7 +58,10 @@ SERVING = {
                "throughput_rps": 211.7},
     "ivf_pq": {"rows": 1000000, "dim": 512, "pq_m": 64, "pq_nbits": 8, "build_s": 190.2, "k": 10, "nlist": 1000,
                "curve": [{"nprobe": 8, "recall": 0.8123}, {"nprobe": 16, "recall": 0.9213}], "nprobe": 16,
-               "reached_on_tuning": True, "recall_check": 0.9187, "flat_ms": _p99(150.0, 190.0),
+               "reached_on_tuning": True, "refine": "fp16", "k_factor": 8,
+               "k_factor_ladder": [{"k_factor": 1, "recall": 0.6163}, {"k_factor": 2, "recall": 0.729},
+                                   {"k_factor": 4, "recall": 0.8317}, {"k_factor": 8, "recall": 0.921}],
+               "recall_check": 0.9187, "flat_ms": _p99(150.0, 190.0),
                "ivfpq_ms": _p99(3.0, 4.0), "flat_over_ivfpq": {"median": 47.3, "p25": 41.2, "p75": 52.8, "n": 40}},
     "onnx": {"backbone": "tf_efficientnet_lite0", "image_size": 224, "embedding_dim": 512, "threads": 2,
              "onnxruntime": "1.32.0",
@@ -98,4 +101,14 @@ def test_a_pq_recall_that_stops_rising_short_of_the_target_is_said():
     data = copy.deepcopy(SERVING)
     assert "stops rising" not in serving_bench.render(data)
     data["ivf_pq"]["curve"] = [{"nprobe": 16, "recall": 0.641}, {"nprobe": 32, "recall": 0.6412}]
+    assert "stops rising" not in serving_bench.render(data)  # re-ranked: the curve is the cells' bound
+    for key in ("refine", "k_factor", "k_factor_ladder"):  # a result of plain PQ (before issue 28)
+        del data["ivf_pq"][key]
     assert "stops rising" in serving_bench.render(data)
+
+
+def test_a_re_ranked_pq_says_its_store_and_k_factor():
+    text = serving_bench.render(SERVING)
+    assert "re-ranked exactly from an fp16 store" in text and "k_factor 8 is the smallest" in text
+    assert "1: 0.6163, 2: 0.729, 4: 0.8317, 8: 0.921" in text
+    assert serving_bench.targets(SERVING)[1]["what"].endswith("nprobe 16, fp16 re-rank k_factor 8")

@@ -231,3 +231,115 @@ def test_a_gpu_faiss_cannot_use_falls_back_to_the_cpu(monkeypatch, caplog):
     np.testing.assert_array_equal(rows, expected_rows)
     np.testing.assert_allclose(scores, expected_scores, rtol=0, atol=1e-6)
     assert fallback.meta["recall@10"] == cpu.meta["recall@10"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# IVF-PQ re-ranked exactly (IndexRefine) with k_factor chosen at build time
+
+
+def product_like(n: int, dim: int = 64, seed: int = 0) -> np.ndarray:
+    """Clusters of ~200 rows holding classes of ~5 (as benchmarks/serving_bench's catalogue): the nearest
+    neighbours are close together, where PQ's quantisation error reorders them."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((n // 200, dim))
+    classes = centres[rng.integers(0, len(centres), n // 5)] + rng.standard_normal((n // 5, dim))
+    x = classes[rng.integers(0, len(classes), n)] + 0.5 * rng.standard_normal((n, dim))
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+PQ = dict(type="ivf_pq", min_rows_approx=0, nlist=64, nprobe=8, pq_m=8, pq_nbits=8, recall_queries=300)
+
+
+@pytest.fixture(scope="module")
+def pq_data():
+    x = product_like(20_200)
+    return x[:20_000], x[20_000:]  # the catalogue, and new items as queries
+
+
+@pytest.fixture(scope="module")
+def refined(pq_data):
+    x, _ = pq_data
+    return CatalogueIndex.build(x, ids_for(len(x)), IndexConfig(**PQ, target_recall=0.99))
+
+
+def exact_top10_found(idx: CatalogueIndex, x: np.ndarray, queries: np.ndarray) -> float:
+    """The fraction of queries whose whole exact top-10 the index returns."""
+    exact = np.argsort(-(queries @ x.T), axis=1)[:, :10]
+    _, rows = idx.search(queries, 10)
+    return float(np.mean([set(a) == set(b) for a, b in zip(exact, rows)]))
+
+
+def test_refined_ivf_pq_finds_the_exact_top10_where_plain_pq_does_not(pq_data, refined):
+    x, queries = pq_data
+    plain = CatalogueIndex.build(x, ids_for(len(x)), IndexConfig(**PQ, refine="none"))
+    assert "k_factor" not in plain.meta["params"] and "k_factor_tuning" not in plain.meta
+    assert plain.meta["recall@10"] < 0.75 and exact_top10_found(plain, x, queries) < 0.2
+    assert refined.meta["params"]["refine"] == "fp16"
+    assert refined.meta["recall@10"] >= 0.99 and exact_top10_found(refined, x, queries) >= 0.9
+    # The scores are the exact inner products (to fp16's precision), not PQ's estimates.
+    scores, rows = refined.search(queries, 10)
+    np.testing.assert_allclose(scores, np.einsum("qd,qkd->qk", queries, x[rows]), atol=2e-3)
+
+
+def test_k_factor_is_the_smallest_of_the_ladder_reaching_the_target(refined):
+    tuning = refined.meta["k_factor_tuning"]
+    chosen = refined.meta["params"]["k_factor"]
+    assert tuning["k_factor"] == chosen and tuning["reached"] and tuning["target_recall"] == 0.99
+    ladder = tuning["ladder"]
+    assert [t["k_factor"] for t in ladder] == [1, 2, 4, 8, 16, 32, 64][: len(ladder)]
+    assert ladder[-1]["k_factor"] == chosen > 1 and ladder[-1]["recall"] >= 0.99
+    assert all(t["recall"] < 0.99 for t in ladder[:-1])
+    assert refined.index.k_factor == chosen
+
+
+def test_k_factor_is_saved_and_applied_on_load(tmp_path, pq_data, refined):
+    x, queries = pq_data
+    refined.save(tmp_path / "index")
+    meta = json.loads((tmp_path / "index" / "index.json").read_text())
+    assert meta["params"]["k_factor"] == refined.meta["params"]["k_factor"]
+    assert meta["k_factor_tuning"] == refined.meta["k_factor_tuning"]
+    loaded = CatalogueIndex.load(tmp_path / "index")
+    assert loaded.index.k_factor == meta["params"]["k_factor"]
+    for a, b in zip(refined.search(queries, 10), loaded.search(queries, 10)):
+        np.testing.assert_array_equal(a, b)
+    # The record in index.json is what search uses, whatever faiss's file holds.
+    meta["params"]["k_factor"] = 1
+    (tmp_path / "index" / "index.json").write_text(json.dumps(meta))
+    assert CatalogueIndex.load(tmp_path / "index").index.k_factor == 1
+
+
+def test_unreachable_target_keeps_the_smallest_k_factor_near_the_best(caplog):
+    x = product_like(12_000, seed=2)
+    cfg = IndexConfig(**{**PQ, "nprobe": 1}, target_recall=1.0, k_factors=[1, 4, 16, 64])
+    with caplog.at_level(logging.WARNING, logger="xbn.serving.index"):
+        idx = CatalogueIndex.build(x, ids_for(len(x)), cfg)
+    tuning = idx.meta["k_factor_tuning"]
+    assert not tuning["reached"] and [t["k_factor"] for t in tuning["ladder"]] == [1, 4, 16, 64]
+    best = max(t["recall"] for t in tuning["ladder"])
+    assert min(t["k_factor"] for t in tuning["ladder"] if t["recall"] >= best - 0.005) == tuning["k_factor"]
+    assert "raise index.nprobe" in caplog.text
+
+
+@pytest.mark.parametrize("override, named", [
+    ("index.k_factors=[4, 2]", "index.k_factors: Value error, the k_factor ladder must be increasing"),
+    ("index.k_factors=[0, 1]", "index.k_factors"),
+    ("index.k_factors=[]", "index.k_factors"),
+    ("index.target_recall=1.5", "index.target_recall"),
+    ("index.target_recall=0", "index.target_recall"),
+    ("index.refine=pq", "index.refine"),
+])
+def test_bad_refine_settings_are_refused_by_key(override, named):
+    from xbn.config import ConfigError, load_params
+
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.").replace("[", r"\[")):
+        load_params(None, [override])
+
+
+def test_rows_appended_to_a_refined_ivf_pq_are_re_ranked_too():
+    x = product_like(11_000, seed=3)
+    idx = CatalogueIndex.build(x[:10_000], ids_for(10_000), IndexConfig(**PQ))
+    assert idx.append(x[10_000:], ids_for(1000, start=10_000)) == 1000
+    assert idx.index.refine_index.ntotal == idx.count == 11_000  # the fp16 store grows with the PQ lists
+    scores, rows = idx.search(x[10_500:10_600], 1)
+    assert (rows[:, 0] == np.arange(10_500, 10_600)).all()  # each new row finds itself, scored exactly
+    np.testing.assert_allclose(scores[:, 0], 1.0, atol=2e-3)

@@ -13,7 +13,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_index import clustered
+from test_index import PQ, clustered, exact_top10_found, product_like
 
 from xbn.config import IndexConfig
 from xbn.evaluation.knn import knn_search
@@ -78,6 +78,32 @@ def test_recall_streamed_over_the_shards_equals_recall_in_memory(shards, tmp_pat
     expected = recall_at_k(built.index, x, sample=300, seed=0)
     assert 0.3 < built.meta["recall@10"] < 1.0
     assert built.meta["recall@10"] == pytest.approx(expected, abs=1e-12)
+
+
+def test_on_disk_ivf_pq_is_re_ranked_exactly_with_its_tuned_k_factor(tmp_path):
+    x = product_like(20_200)
+    x, queries = x[:20_000], x[20_000:]
+    bounds = np.cumsum([0, 7000, 5000, 8000])
+    files = [write_shard(tmp_path / f"part{i}.parquet", x[a:b], a) for i, (a, b) in enumerate(pairwise(bounds))]
+    cfg = {**PQ, "target_recall": 0.99}
+    plain = build_sharded(files, tmp_path / "plain", IndexConfig(**cfg, refine="none"))
+    built = build_sharded(files, tmp_path / "index", IndexConfig(**cfg))
+    assert plain.meta["recall@10"] < 0.75 and "k_factor_tuning" not in plain.meta
+    tuning, k_factor = built.meta["k_factor_tuning"], built.meta["params"]["k_factor"]
+    assert tuning["reached"] and tuning["k_factor"] == k_factor > 1 and built.meta["recall@10"] >= 0.99
+    assert [t["k_factor"] for t in tuning["ladder"]][-1] == k_factor
+    # The PQ lists stay memory-mapped under the re-rank; the fp16 vectors are in row order.
+    assert isinstance(faiss.downcast_InvertedLists(faiss.extract_index_ivf(built.index).invlists),
+                      faiss.OnDiskInvertedLists)
+
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(tmp_path / "index", moved)
+    shutil.rmtree(tmp_path / "index")
+    loaded = CatalogueIndex.load(moved)
+    # index.json's k_factor, applied on load: faiss's file holds the 1 it was written with before tuning
+    assert faiss.read_index(str(moved / "index.faiss"), faiss.IO_FLAG_ONDISK_SAME_DIR).k_factor == 1
+    assert loaded.index.k_factor == k_factor
+    assert exact_top10_found(loaded, x, queries) >= 0.9 > 0.2 > exact_top10_found(plain, x, queries)
 
 
 def test_only_ivf_types_go_on_disk(shards, tmp_path):

@@ -469,6 +469,7 @@ class TuneConfig(Section):
         return self
 
 INDEX_TYPES = ("flat", "ivf_flat", "ivf_pq", "hnsw")
+REFINE_STORES = ("none", "fp16", "flat")  # ivf_pq's exact re-rank store (xbn.serving.index.refined)
 
 
 class IndexConfig(Section):
@@ -481,6 +482,14 @@ class IndexConfig(Section):
     nprobe: int = Field(16, ge=1)  # IVF cells visited per query
     pq_m: int = Field(16, ge=1)  # PQ sub-quantizers (must divide the embedding dimension)
     pq_nbits: int = Field(8, ge=1, le=16)  # bits per sub-quantizer code
+    # ivf_pq: re-rank k x k_factor PQ candidates by the exact inner product with vectors kept beside the
+    # codes, fp16 (2 bytes a dimension) or flat (float32); none: PQ's approximate scores only (recall@10 ~0.6
+    # at 1M rows).
+    refine: Literal[REFINE_STORES] = "fp16"
+    # k_factor: the smallest of `k_factors` whose recall@10 of exact reaches `target_recall` on held-out
+    # tuning queries at build time (the largest tried when none does: then raise nprobe).
+    target_recall: float = Field(0.95, gt=0.0, le=1.0)
+    k_factors: list[int] = [1, 2, 4, 8, 16, 32, 64]
     hnsw_m: int = Field(32, ge=2)  # HNSW neighbours per node
     ef_construction: int = Field(80, ge=1)
     ef_search: int = Field(64, ge=1)
@@ -489,6 +498,14 @@ class IndexConfig(Section):
     batch_size: int = Field(64, ge=1)  # embedding batch size
     output: str = "models/index"
     metrics: str = "metrics/index.json"  # type, count and recall@10 (a DVC metric: outside the index folder)
+
+    @field_validator("k_factors")
+    @classmethod
+    def _ladder(cls, ladder: list[int]) -> list[int]:
+        if not ladder or ladder[0] < 1 or any(b <= a for a, b in zip(ladder, ladder[1:])):
+            # the key is named by the error's location (ConfigError: "index.k_factors: ...")
+            raise ValueError("the k_factor ladder must be increasing whole numbers from 1 up, e.g. [1, 2, 4, 8]")
+        return ladder
 
 
 class ServeConfig(Section):

@@ -8,10 +8,17 @@ codebooks need 256 training points per centroid and faiss asks for 39 per IVF ce
 trains them badly, while exact search over 10 000 x 512 floats takes 1 to 3 ms per query on one core, so
 approximation has little to buy there.
 
+IVF-PQ alone stops short: at 1M rows its recall@10 of exact levelled off at 0.61 whatever the nprobe, bounded
+by the codes' quantisation error. So `ivf_pq` is wrapped in faiss's `IndexRefine` (`index.refine`, default
+fp16): the PQ search returns k x k_factor candidates, re-ranked by the exact inner product with vectors kept
+beside the codes. fp16 halves flat's memory (1 KB a 512-d row) and matched its recall to 0.001 on 100k rows of
+the benchmark's catalogue; k_factor is chosen at build time (`tune_k_factor`), the smallest of
+`index.k_factors` reaching `index.target_recall` on held-out catalogue rows.
+
 On disk an index is a folder of three files, each written atomically: `index.faiss`, `ids.parquet` (path,
-label, row) and `index.json` (type, dimension, count, the model's sha256, the measured recall@10, and the
-sha256 of the other two). `index.json` is written last and names the bytes of the other two, so a reader
-never pairs an index with the id map of another write.
+label, row) and `index.json` (type, dimension, count, the model's sha256, the measured recall@10, the k_factor
+tuning of a refined IVF-PQ, and the sha256 of the other two). `index.json` is written last and names the bytes
+of the other two, so a reader never pairs an index with the id map of another write.
 """
 
 from __future__ import annotations
@@ -76,7 +83,8 @@ def ivf_spec(cfg: IndexConfig, kind: IndexType, n: int, dim: int) -> tuple[str, 
 
 
 def build_faiss(x: np.ndarray, cfg: IndexConfig, kind: IndexType) -> tuple[faiss.Index, dict[str, Any]]:
-    """An inner-product faiss index of type `kind` holding the unit rows `x`, and the parameters it got."""
+    """An inner-product faiss index of type `kind` holding the unit rows `x`, and the parameters it got (a
+    refined IVF-PQ starts at k_factor 1: `tune_k_factor` chooses it)."""
     n, dim = x.shape
     params: dict[str, Any] = {}
     if kind in ("ivf_flat", "ivf_pq"):
@@ -96,15 +104,34 @@ def build_faiss(x: np.ndarray, cfg: IndexConfig, kind: IndexType) -> tuple[faiss
     on_gpu.add(x)
     if on_gpu is not index:
         index = faiss.index_gpu_to_cpu(on_gpu)
+    if kind == "ivf_pq" and cfg.refine != "none":
+        index = refined(index, cfg.refine, x)
+        params.update(refine=cfg.refine, k_factor=1)
     set_search_params(index, params)
     return index, params
+
+
+def refined(base: faiss.Index, store: str, x: np.ndarray) -> faiss.IndexRefine:
+    """`base` (holding the rows `x`) wrapped in faiss's IndexRefine, which re-ranks base's candidates by the
+    exact inner product with `x` kept in an fp16 (`store` "fp16") or float32 ("flat") refine index."""
+    exact = refine_store(store, base.d)
+    exact.add(x)
+    return faiss.IndexRefine(base, exact)  # faiss's Python wrapper keeps both alive with it
+
+
+def refine_store(store: str, dim: int) -> faiss.Index:
+    """An empty inner-product index keeping vectors in fp16 (`store` "fp16") or float32 ("flat")."""
+    if store == "flat":
+        return faiss.IndexFlatIP(dim)
+    return faiss.IndexScalarQuantizer(dim, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
 
 
 def on_gpus(index: faiss.Index) -> faiss.Index:
     """A copy of `index` on every GPU when faiss has GPU support and sees a GPU (`faiss.get_num_gpus()`,
     faiss-gpu: `pip install .[gpu]`), else `index` itself. HNSW has no faiss GPU form and stays on the CPU,
-    as does any index the GPU refuses (e.g. an IVF-PQ code size its kernels lack): logged, never fatal."""
-    if faiss.get_num_gpus() < 1 or "HNSW" in type(index).__name__:
+    as does a refined IVF-PQ (its refine store has no GPU form; its base trains on the GPU before it is
+    wrapped) and any index the GPU refuses (e.g. an IVF-PQ code size its kernels lack): logged, not fatal."""
+    if faiss.get_num_gpus() < 1 or "HNSW" in type(index).__name__ or isinstance(index, faiss.IndexRefine):
         return index
     try:
         if not hasattr(faiss, "StandardGpuResources"):
@@ -125,6 +152,8 @@ def set_search_params(index: faiss.Index, params: dict[str, Any]) -> None:
         space.set_index_parameter(index, "nprobe", int(params["nprobe"]))
     if "ef_search" in params:
         space.set_index_parameter(index, "efSearch", int(params["ef_search"]))
+    if "k_factor" in params:  # IndexRefine's: base candidates = k x k_factor
+        space.set_index_parameter(index, "k_factor_rf", int(params["k_factor"]))
 
 
 def unit_rows(x: Any, name: str) -> np.ndarray:
@@ -147,27 +176,83 @@ def recall_at_k(
     Without `queries`, `sample` catalogue rows are the queries, held out of their own results on both sides
     (leave-one-out: a query finding itself proves nothing). A flat index scores 1.0.
     """
-    references = as_float32_matrix(references, "references")
-    rows = None
-    if queries is None:
-        rows = np.sort(
-            np.random.default_rng(seed).choice(len(references), min(sample, len(references)), replace=False)
-        )
-        queries = references[rows]
-    else:
-        queries = unit_rows(queries, "queries")
-    held_out = int(rows is not None)
-    k = min(k, len(references) - held_out)
-    if k < 1 or not len(queries):
+    return recall_on(index, GroundTruth.of(references, queries, k, sample_rows(len(references), sample, seed)))
+
+
+def sample_rows(n: int, sample: int, seed: int, avoid: np.ndarray | None = None) -> np.ndarray:
+    """`sample` of the rows 0..n-1 (sorted, seeded) as held-out queries, outside `avoid` unless none remain."""
+    pool = np.arange(n) if avoid is None else np.setdiff1d(np.arange(n), avoid)
+    if not len(pool):
+        pool = np.arange(n)
+    return np.sort(np.random.default_rng(seed).choice(pool, min(sample, len(pool)), replace=False))
+
+
+@dataclass
+class GroundTruth:
+    """Queries and their exact top-k: computed once, so several settings of one index are scored on them.
+    `rows`: the catalogue rows the queries are (each left out of its own results), or None."""
+
+    queries: np.ndarray
+    exact: np.ndarray | None  # None: nothing to rank (a one-row catalogue)
+    rows: np.ndarray | None
+    k: int
+
+    @classmethod
+    def of(cls, references: Any, queries: Any, k: int, rows: np.ndarray | None = None) -> GroundTruth:
+        """Exact top-k of `queries` over `references`; without `queries`, of the catalogue `rows`."""
+        references = as_float32_matrix(references, "references")
+        if queries is None:
+            queries = references[rows]
+        else:
+            queries, rows = unit_rows(queries, "queries"), None
+        k = min(k, len(references) - int(rows is not None))
+        exact = knn_search(queries, references, k, exclude=rows)[1] if k >= 1 and len(queries) else None
+        return cls(queries, exact, rows, k)
+
+    def subset(self, rows: np.ndarray) -> GroundTruth:
+        """The queries that are the catalogue rows `rows` (all among `self.rows`)."""
+        keep = np.isin(self.rows, rows)
+        exact = None if self.exact is None else self.exact[keep]
+        return GroundTruth(self.queries[keep], exact, self.rows[keep], self.k)
+
+
+def recall_on(index: faiss.Index, truth: GroundTruth) -> float:
+    """recall@k of `index` (as it is set now) on `truth`'s queries."""
+    if truth.exact is None:
         return 1.0  # nothing to rank: no way to miss
-    _, exact = knn_search(queries, references, k, exclude=rows)
-    _, approx = index.search(queries, k + held_out)  # one more: the query's own row is dropped below
+    held_out = int(truth.rows is not None)
+    _, approx = index.search(truth.queries, truth.k + held_out)  # one more: the query's own row is dropped
     found = 0
-    for i, (want, got) in enumerate(zip(exact, approx)):
-        if rows is not None:
-            got = got[got != rows[i]]
-        found += len(set(want.tolist()) & set(got[:k].tolist()))
-    return found / (k * len(queries))
+    for i, (want, got) in enumerate(zip(truth.exact, approx)):
+        if truth.rows is not None:
+            got = got[got != truth.rows[i]]
+        found += len(set(want.tolist()) & set(got[: truth.k].tolist()))
+    return found / (truth.k * len(truth.queries))
+
+
+def tune_k_factor(
+    index: faiss.Index, truth: GroundTruth, ladder: list[int], target: float, params: dict[str, Any]
+) -> dict[str, Any]:
+    """Set `index` (an IndexRefine) to the smallest k_factor of `ladder` whose recall@k on `truth` reaches
+    `target`; when none does, to the smallest within 0.005 of the best (more candidates only cost time, and
+    it is nprobe that bounds recall then). Updates `params["k_factor"]`; returns the record for index.json."""
+    tried = []
+    for k_factor in ladder:
+        set_search_params(index, {"k_factor": k_factor})
+        tried.append({"k_factor": k_factor, "recall": round(recall_on(index, truth), 4)})
+        if tried[-1]["recall"] >= target:
+            break
+    reached = tried[-1]["recall"] >= target
+    best = max(t["recall"] for t in tried)
+    chosen = min(t["k_factor"] for t in tried if t["recall"] >= (target if reached else best - 0.005))
+    if not reached:
+        log.warning("index: no k_factor of %s reaches recall@%d %.3f (best %.4f): k_factor %d; rows "
+                    "outside the %s probed cells cannot be found, raise index.nprobe", ladder, truth.k, target,
+                    best, chosen, params.get("nprobe"))
+    params["k_factor"] = chosen
+    set_search_params(index, params)
+    return {"target_recall": target, "reached": reached, "k_factor": chosen, "queries": len(truth.queries),
+            "ladder": tried}
 
 
 @dataclass
@@ -193,9 +278,17 @@ class CatalogueIndex:
             raise ValueError("the catalogue is empty: nothing to index")
         kind = effective_type(cfg, len(x))
         index, params = build_faiss(x, cfg, kind)
-        recall = recall_at_k(index, x, queries, RECALL_K, cfg.recall_queries, cfg.seed)
+        check = sample_rows(len(x), cfg.recall_queries, cfg.seed)
+        tuning = None
+        if "k_factor" in params:  # tuned on other catalogue rows than those the recall is measured on
+            avoid = None if queries is not None else check
+            tune = sample_rows(len(x), cfg.recall_queries, cfg.seed + 1, avoid)
+            truth = GroundTruth.of(x, None, RECALL_K, tune)
+            tuning = tune_k_factor(index, truth, cfg.k_factors, cfg.target_recall, params)
+        recall = recall_on(index, GroundTruth.of(x, queries, RECALL_K, check))
         log.info(
-            "index: %s over %d x %d, recall@%d %.4f of exact", kind, len(x), x.shape[1], RECALL_K, recall
+            "index: %s over %d x %d, recall@%d %.4f of exact%s", kind, len(x), x.shape[1], RECALL_K, recall,
+            f" (refined, k_factor {params['k_factor']})" if tuning else "",
         )
         meta = {
             "format": FORMAT,
@@ -208,6 +301,8 @@ class CatalogueIndex:
             "recall_measured_on": len(x),
             "params": params,
         }
+        if tuning:
+            meta["k_factor_tuning"] = tuning
         return cls(index, _id_map(ids, 0), meta)
 
     @property

@@ -14,6 +14,12 @@ ids.parquet, index.json) plus `index.ivfdata`, so `CatalogueIndex.load`, `xbn se
 registry's `index/` artifact take it as they take any other; faiss reads the `.ivfdata` from the folder the
 index file is in (`IO_FLAG_ONDISK_SAME_DIR`), so the folder can be moved or downloaded. Its recall@10 is
 measured against exact search streamed over the shards.
+
+An on-disk IVF-PQ is re-ranked exactly as the in-memory one is (`index.refine`, `xbn.serving.index`), its
+k_factor tuned against the same streamed exact search. The refine store is inside index.faiss and is read into
+memory on load (2 bytes a dimension a row with fp16: 1 GB for 1M x 512): only the PQ lists stay on disk.
+faiss 1.15 cannot memory-map it together with the on-disk lists (IO_FLAG_MMAP_IFC needs its own file reader);
+`index.refine: none` keeps the index small in memory, at PQ's recall.
 """
 
 from __future__ import annotations
@@ -39,9 +45,14 @@ from xbn.serving.index import (
     META_FILE,
     RECALL_K,
     CatalogueIndex,
+    GroundTruth,
     _id_map,
     ivf_spec,
+    recall_on,
+    refine_store,
+    sample_rows,
     set_search_params,
+    tune_k_factor,
     unit_rows,
 )
 from xbn.utils.io import atomic_path, file_digest, write_json
@@ -116,6 +127,12 @@ def build_sharded(
     # in with the index file (which names it; IO_FLAG_ONDISK_SAME_DIR finds it beside the index on load).
     merged = faiss.read_index(str(work / "trained.index"))
     merge_ondisk(merged, parts, str(work / IVFDATA_FILE))
+    if cfg.type == "ivf_pq" and cfg.refine != "none":  # the exact vectors, in row order, beside the PQ lists
+        store = refine_store(cfg.refine, dim)
+        for shard in shards:
+            store.add(unit_rows(read_embeddings(shard)[1], "embeddings"))
+        merged = faiss.IndexRefine(merged, store)
+        params.update(refine=cfg.refine, k_factor=1)
     faiss.write_index(merged, str(work / INDEX_FILE))
     directory.mkdir(parents=True, exist_ok=True)
     for name in (IVFDATA_FILE, INDEX_FILE):
@@ -127,11 +144,19 @@ def build_sharded(
 
     index = faiss.read_index(str(directory / INDEX_FILE), faiss.IO_FLAG_ONDISK_SAME_DIR)
     set_search_params(index, params)
-    recall = streamed_recall(index, shards, recall_queries or cfg.recall_queries, cfg.seed)
+    sample = recall_queries or cfg.recall_queries
+    check = sample_rows(total, sample, cfg.seed)
+    tune = sample_rows(total, sample, cfg.seed + 1, avoid=check) if "k_factor" in params else check[:0]
+    truth = streamed_truth(shards, np.union1d(check, tune))  # one pass over the shards for both query sets
+    tuning = None
+    if len(tune):  # as CatalogueIndex.build: tuned on other rows than the recall is measured on
+        tuning = tune_k_factor(index, truth.subset(tune), cfg.k_factors, cfg.target_recall, params)
+    recall = recall_on(index, truth.subset(check))
     meta = {
         "format": FORMAT, "type": cfg.type, "requested_type": cfg.type, "ondisk": True, "shards": len(shards),
         "dim": dim, "count": total, "model_sha256": model_sha256, f"recall@{RECALL_K}": recall,
         "recall_measured_on": total, "params": params,
+        **({"k_factor_tuning": tuning} if tuning else {}),
         "sha256": {name: file_digest(directory / name) for name in (INDEX_FILE, IDS_FILE, IVFDATA_FILE)},
     }
     write_json(directory / META_FILE, meta)  # last: it names the bytes of the other three
@@ -144,15 +169,20 @@ def streamed_recall(index: faiss.Index, shards: Sequence[Path], sample: int, see
                     k: int = RECALL_K) -> float:
     """recall@k of `index` against exact search, with the exact top-k merged shard by shard (one shard in
     memory at a time). Queries: `sample` catalogue rows, each held out of its own results (leave-one-out)."""
+    return recall_on(index, streamed_truth(shards, sample_rows(sum(_rows(shards)), sample, seed), k))
+
+
+def streamed_truth(shards: Sequence[Path], rows: np.ndarray, k: int = RECALL_K) -> GroundTruth:
+    """The exact top-k of the catalogue rows `rows` (sorted), each held out of its own results, merged shard
+    by shard (one shard in memory at a time)."""
     counts = _rows(shards)
     total = sum(counts)
-    rows = np.sort(np.random.default_rng(seed).choice(total, min(sample, total), replace=False))
     k = min(k, total - 1)
-    if k < 1:
-        return 1.0
     starts = np.cumsum([0, *counts])
     queries = np.concatenate([unit_rows(read_embeddings(s)[1], "embeddings")[
         rows[(rows >= a) & (rows < b)] - a] for s, a, b in zip(shards, starts, starts[1:])])
+    if k < 1:
+        return GroundTruth(queries, None, rows, k)  # one row: nothing to rank
     best_s = np.full((len(rows), k), -np.inf, dtype=np.float32)
     best_i = np.full((len(rows), k), -1, dtype=np.int64)
     for shard, a, b in zip(shards, starts, starts[1:]):
@@ -165,10 +195,7 @@ def streamed_recall(index: faiss.Index, shards: Sequence[Path], sample: int, see
         merged_s, merged_i = np.concatenate([best_s, s], 1), np.concatenate([best_i, i], 1)
         order = np.argsort(-merged_s, axis=1, kind="stable")[:, :k]
         best_s, best_i = np.take_along_axis(merged_s, order, 1), np.take_along_axis(merged_i, order, 1)
-    _, approx = index.search(queries, k + 1)
-    found = sum(len(set(want.tolist()) & set(got[got != q][:k].tolist()))
-                for want, got, q in zip(best_i, approx, rows))
-    return found / (k * len(rows))
+    return GroundTruth(queries, best_i, rows, k)
 
 
 def shards_model(shards: Sequence[str | Path]) -> str:

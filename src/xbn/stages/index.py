@@ -67,6 +67,7 @@ def index(params: Params, append: bool = False, shards: list[str] | None = None)
         "type": catalogue.meta["type"], "ondisk": bool(catalogue.meta.get("ondisk")), "count": catalogue.count,
         "dim": catalogue.dim, f"recall@{RECALL_K}": recall, "skipped": len(catalogue.meta.get("skipped", [])),
         "output": str(params.index.output), "model_sha256": sha, "version": None,
+        "k_factor": catalogue.meta.get("params", {}).get("k_factor"),  # a refined IVF-PQ's, tuned at build
     }
     version = registered_version(params, sha)
     if version is not None:
