@@ -10,6 +10,7 @@
     python -m benchmarks serving  [--quick] [--only search ivf_pq onnx]  (issue 17: /search, IVF-PQ, ONNX)
     python -m benchmarks methods  [--only ...] [--set ...]  (every method via dvc exp run; about 2 hours)
     python -m benchmarks retrain  [--quick] [--only fingerprint warm_start]  (issue 24: snapshot, warm start)
+    python -m benchmarks train_time [--old COMMIT] [--quick]  (issue 28: xbn train, an older commit vs this one)
     python -m benchmarks all      [--quick]            (each of the above with its defaults, then the report)
     python -m benchmarks report                         (docs/benchmarks.md from the JSON files)
 
@@ -29,7 +30,7 @@ import traceback
 
 from benchmarks import provenance
 
-NAMES = ("memory", "eval", "loader", "pipeline", "grid", "gpu", "serving", "methods", "retrain")
+NAMES = ("memory", "eval", "loader", "pipeline", "grid", "gpu", "serving", "methods", "retrain", "train_time")
 
 
 def run(name: str, argv: list[str], allow_dirty: bool = False) -> None:
@@ -79,6 +80,10 @@ def run(name: str, argv: list[str], allow_dirty: bool = False) -> None:
         from benchmarks import retrain_bench
 
         retrain_bench.main(argv)
+    elif name == "train_time":
+        from benchmarks import train_time
+
+        train_time.main(argv)
     elif name == "report":
         from benchmarks import report
 

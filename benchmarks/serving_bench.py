@@ -63,7 +63,7 @@ QUICK = {"search_rows": 20_000, "pq_rows": 100_000, "sequential": 300, "concurre
 CONCURRENCY = 8
 P99_MS, SEARCH_RECALL = 50.0, 0.95  # issue 17: p99 <= 50 ms with IVF at >= 0.95 recall@10 of exact
 PQ_SPEEDUP, PQ_RECALL = 10.0, 0.9  # issue 17: IVF-PQ >= 10x faster than exact at >= 0.9 recall@10
-ONNX_PARITY = 1.0  # no bound in the issue: ONNX Runtime at least as fast as torch, else exporting buys nothing
+TORCH_OVER_ONNX = 0.8  # issue 28: the torch path at least 0.8x ONNX Runtime's images/s on the CPU
 TUNE_QUERIES, CHECK_QUERIES = 300, 1000
 CELLS_SAMPLED = 40  # k-means training points per IVF cell (faiss warns below 39)
 PQ_M = 64  # sub-quantizers of 8 dimensions: 64 bytes a vector, 32x smaller than float32
@@ -134,8 +134,10 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
                     "verdict": verdict(h["max_latency_s"], h["max_latency_s"], at_most=HOSTILE_LATENCY_S)})
     for row in (data.get("onnx") or {}).get("rows", []):
         r = row["onnx_over_torch"]
-        out.append({"what": f"ONNX Runtime / torch images/s, batch {row['batch']} (>= {ONNX_PARITY:g}: no bound "
-                            "in the issue)", **r, "verdict": verdict(r["p25"], r["p75"], at_least=ONNX_PARITY)})
+        # issue 28: the torch path at >= 0.8x ONNX Runtime's images/s, i.e. ONNX / torch <= 1.25
+        out.append({"what": f"ONNX Runtime / torch images/s, batch {row['batch']} <= {1 / TORCH_OVER_ONNX:g} "
+                            f"(torch >= {TORCH_OVER_ONNX:g}x ONNX)", **r,
+                    "verdict": verdict(r["p25"], r["p75"], at_most=1 / TORCH_OVER_ONNX)})
     return out
 
 
@@ -522,7 +524,9 @@ def bench_onnx(backbone: str, image_size: int, rounds: tuple[int, int], seed: in
                          "onnx_images_per_s": round(float(np.median(batch / onnx_s)), 2),
                          "onnx_over_torch": interval(torch_s / onnx_s)})
     return {"backbone": backbone, "image_size": image_size, "embedding_dim": served_model.embedding_dim,
-            "threads": torch.get_num_threads(), "onnxruntime": ort.__version__, "rows": rows}
+            "threads": torch.get_num_threads(), "onnxruntime": ort.__version__, "rows": rows,
+            # the torch path as served: inference.* auto (memory format and precision chosen at run time)
+            "torch_mode": served_model.mode.describe(), "torch_mode_record": served_model.mode.record()}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -579,8 +583,9 @@ def render(data: dict[str, Any]) -> str:
                 f"s**; answers {h['statuses']} (503: turned away with Retry-After while others decode); load "
                 f"average {h['loadavg_1min']} at the end.", ""]
     if o := data.get("onnx"):
+        mode = f"; torch as served: {o['torch_mode']}" if o.get("torch_mode") else ""
         out += [f"**ONNX Runtime {o['onnxruntime']} vs torch**, {o['backbone']} at {o['image_size']} px "
-                f"(embedding {o['embedding_dim']}), {o['threads']} thread(s) each, alternating rounds:", "",
+                f"(embedding {o['embedding_dim']}), {o['threads']} thread(s) each, alternating rounds{mode}:", "",
                 markdown_table(["batch", "rounds", "torch images/s", "ONNX images/s", "ONNX / torch median "
                                 "[p25, p75]", "max abs diff"],
                                [[r["batch"], r["rounds"], r["torch_images_per_s"], r["onnx_images_per_s"],
