@@ -170,15 +170,14 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         torch.mul(rows, rows, out=squares)
         return values[:, :b].sum(1), (values[:, b:].sum(1) if dequeued else None), dequeued
 
-    @torch.no_grad()
     def _adapt(self, batch_sums: torch.Tensor, dequeued_sums: torch.Tensor | None, n: int, dequeued: int,
                batch_size: int) -> None:
         # [batch, memory] x [sum, sum of squares] -> [batch, memory] x [mean, second moment] -> moments
         moments = torch.stack([batch_sums, torch.stack([self.row_sum, self.row_sq_sum])])
         moments[0].div_(batch_size)
         moments[1].div_(n)
-        means = moments[:, 0]
-        stds = torch.addcmul(moments[:, 1], means, means, value=-1).clamp_min_(0.0).sqrt_()
+        means, second_moments = moments.unbind(1)  # (views; no autograd: the batch is detached, rows are buffers)
+        stds = torch.addcmul(second_moments, means, means, value=-1).clamp_min_(0.0).sqrt_()
         (batch_mean, memory_mean), (batch_std, memory_std) = means, stds
         target_mean, target_std = self.moments(memory_mean, memory_std, batch_mean, batch_std, batch_size)
 
@@ -190,14 +189,14 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
                                target_std, *([gain] if gain is not None else [])])
         affine = self._finite_or_identity(checked, checked[4:6])
         rows = self.valid_rows()
-        affine32 = affine.to(rows.dtype)
-        torch.addcmul(affine32[1], rows, affine32[0], out=rows)
+        scale32, shift32 = affine.to(rows.dtype)
+        torch.addcmul(shift32, rows, scale32, out=rows)
 
         # The sums follow the map analytically over the rows that stay, m of them:
         # sum' = a sum + m b, sq' = a^2 sq + 2ab sum + m b^2 = a (a sq + 2b sum) + m b^2.
         if dequeued:
             self._add_sums(dequeued_sums, -1)
-        a, b, m = affine[0], affine[1], n - dequeued
+        (a, b), m = affine, n - dequeued
         self.row_sq_sum.mul_(a).addcmul_(b, self.row_sum, value=2).mul_(a).addcmul_(b, b, value=m)
         self.row_sum.mul_(a).add_(b, alpha=m)
         self._seen = (checked, affine)
