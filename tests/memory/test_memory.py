@@ -227,3 +227,16 @@ def test_diagnostics_are_the_moments_the_update_saw(moments):
     assert got["batch_mean"] == pytest.approx(float(b.mean()), abs=1e-9)
     assert got["batch_std"] == pytest.approx(float(b.std(0, unbiased=False).mean()), abs=1e-9)
     assert got["scale"] == pytest.approx(float(scale.mean()), abs=1e-7) and got["gain"] == 1.0
+
+
+def test_refreshed_sums_over_several_blocks_equal_a_direct_reduction():
+    from xbn.memory.cross_batch import REFRESH_BLOCK
+
+    memory = make_memory(BatchMoments(), size=2 * REFRESH_BLOCK + 88, miner=False)
+    rows = unit(memory.memory_size, seed=4) * 3 + 0.5
+    memory.add_to_memory(rows, labels(len(rows)), len(rows))
+    memory.row_sum.fill_(7.0)  # whatever the running sums drifted to
+    memory.refresh_sums()
+    r = rows.double()
+    torch.testing.assert_close(memory.row_sum, r.sum(0), rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(memory.row_sq_sum, (r * r).sum(0), rtol=1e-12, atol=1e-10)
