@@ -18,7 +18,8 @@ removal). What it adds, written by hand because no library has it:
   would silently differ).
 - No step waits for the device: counters are Python ints, the diagnostics stay 0-d device tensors until the
   trainer logs them (every `train.log_every` steps), and the finiteness of the map is decided on the device.
-  A non-finite target (a NaN gain, an inf in the batch or the memory's moments) leaves every row as it was
+  A non-finite update (a NaN gain, an inf in the batch or the memory's moments: any non-finite value among
+  the batch's and memory's moments, the target moments, the gain and the map) leaves every row as it was
   (the map becomes the identity) and is recorded with its iteration; `check_finite`, which the trainer calls
   when it logs and before it saves a checkpoint, then raises `NonFiniteLossError` naming that iteration.
 """
