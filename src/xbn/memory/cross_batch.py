@@ -220,10 +220,10 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
             self._failed = torch.zeros_like(checked)
         finite = torch.dot(flat, self._zeros) == 0  # 0 * finite = 0, 0 * inf = 0 * nan = nan
         first = self._clean > finite
-        self._clean &= finite
+        self._clean.logical_and_(finite)  # in place, as below: no nn.Module.__setattr__ per step
         at = self.iteration if self.iteration is not None else -(self.adaptation_steps + 1)
         self._failed_at.add_(first, alpha=at)  # 0 until the first failure, then its place: `first` is true once
-        self._failed = torch.where(first, checked, self._failed)
+        torch.where(first, checked, self._failed, out=self._failed)
         return torch.where(finite, affine, self._identity)
 
     def check_finite(self) -> None:

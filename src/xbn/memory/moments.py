@@ -41,7 +41,7 @@ class _CountedMoments(nn.Module):
         self.count = 0
 
     def _advance(self) -> None:
-        self.steps += 1
+        self.steps.add_(1)  # in place: `+=` would also go through nn.Module.__setattr__ every step
         self.count += 1
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
