@@ -1,6 +1,6 @@
 """Memory adaptation overhead: time per training step spent in loss + memory update, per memory method.
 
-    python -m benchmarks memory [--quick] [--sizes 1024 16384 65536] [--batches 16 64] [--device cpu|cuda]
+    python -m benchmarks memory [--quick] [--sizes 1024 4096 16384 65536] [--batches 16 64] [--device cpu|cuda]
                                 [--threads 1] [--steps 30] [--embeddings saved.npz]
 
 The criterion is the trainer's own: `xbn.training.criterion.build_criterion` on params.yaml (SupCon with the
@@ -20,6 +20,12 @@ result is the **paired per-step ratio** (method's step / the reference's step of
 interquartile range, on process CPU time on a CPU (a descheduled process does not accumulate it) and on wall
 time on CUDA. A target is met only when the whole IQR is on its side (`verdict`). Writes
 benchmarks/results/memory_<device>.json (memory_quick.json with --quick).
+
+A step's ratio mixes two things: the adaptation's own work, and a loss that costs more or less because the
+adapted memory holds other rows (XBN maps it to each batch's moments, so the miner returns other pairs). Each
+setting therefore also records `update_ms`, the memory update alone (`add_to_memory` on the same batches, timed
+after the steps) and `update_over_xbm_step` (a method's update time minus XBM's, over XBM's whole step), and the
+pairs the miner returns against each method's memory after the last step (`mined_pairs_last_batch`).
 """
 
 from __future__ import annotations
@@ -196,6 +202,9 @@ def measure(workload, size: int, batch: int, steps: int, warmup: int, device: to
                 wall[method].append(t)
                 cpu[method].append(c)
     basis = cpu if device.type == "cpu" else wall
+    last = {m: mined_pairs(module, x, y) for m, module in modules.items() if memory_of(module) is not None}
+    update = update_ms(modules, workload, batch, max(1, min(steps, 20)), device)
+    xbm_step = statistics.median(basis["xbm"]) * 1000 if "xbm" in basis else None
     return {
         "memory_size": size, "batch": batch, "dim": workload.dim, "steps": steps, "device": str(device),
         "mined_pairs_first_batch": mined,
@@ -204,7 +213,32 @@ def measure(workload, size: int, batch: int, steps: int, warmup: int, device: to
         "paired_ratio": paired(basis, methods),
         "paired_ratio_wall": paired(wall, methods),
         "per_step_ms": {m: [round(1000 * t, 3) for t in v] for m, v in basis.items()},
+        "update_ms": {m: round(v, 4) for m, v in update.items()},
+        "update_over_xbm_step": ({m: round((v - update["xbm"]) / xbm_step, 4) for m, v in update.items()}
+                                 if xbm_step and "xbm" in update else {}),
+        "mined_pairs_last_batch": last,
     }
+
+
+def update_ms(modules: dict, workload, batch: int, steps: int, device: torch.device) -> dict[str, float]:
+    """Median milliseconds of each method's memory update alone (`add_to_memory`, the enqueue and, for an
+    adaptive method, the map), interleaved as in `measure`, on process CPU time (wall time on CUDA)."""
+    memories = {m: memory_of(module) for m, module in modules.items() if memory_of(module) is not None}
+    times: dict[str, list[float]] = {m: [] for m in memories}
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
+    for i in range(steps):
+        x, y = workload.batch(batch)
+        x, y = x.to(device), y.to(device)
+        order = list(memories)[i % len(memories):] + list(memories)[: i % len(memories)]
+        for method in order:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = clock()
+            memories[method].add_to_memory(x, y, batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[method].append(clock() - start)
+    return {m: statistics.median(v) * 1000 for m, v in times.items()}
 
 
 def targets(rows: list[dict]) -> list[dict]:
@@ -228,7 +262,8 @@ def targets(rows: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 16384, 65536])
+    # 1k and 4k: where the adaptation's fixed per-step work weighs most against XBM's step (issue 28)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--steps", type=int, default=30)
@@ -260,8 +295,9 @@ def main(argv: list[str] | None = None) -> dict:
                 rows.append(row)
                 shown = "  ".join(f"{k} {v['median']:.3f} [{v['p25']:.3f}, {v['p75']:.3f}]"
                                   for k, v in row["paired_ratio"].items() if k.endswith("/xbm"))
-                print(f"{name} M={size:>6} B={batch:>3}  xbm {row['ms_per_step']['xbm']:8.2f} ms  {shown}",
-                      flush=True)
+                update = "  ".join(f"{m} {v:+.4f}" for m, v in row["update_over_xbm_step"].items() if m != "xbm")
+                print(f"{name} M={size:>6} B={batch:>3}  xbm {row['ms_per_step']['xbm']:8.2f} ms  {shown}"
+                      f"  | update - xbm's, over xbm's step: {update}", flush=True)
     result = {
         "benchmark": "loss + memory update per training step (build_criterion from params.yaml)",
         "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,

@@ -77,6 +77,9 @@ def test_measure_reports_paired_per_step_ratios():
     # the median of the per-step ratios, not the ratio of medians (times are rounded to the microsecond)
     assert got["n"] == 3 and got["median"] == pytest.approx(ratios[1], rel=1e-2)
     assert got["p25"] <= got["median"] <= got["p75"]
+    # The step's ratio decomposed: each memory's update alone, and the pairs mined against each memory.
+    assert set(row["update_ms"]) == set(row["mined_pairs_last_batch"]) == {"pml", "xbm", "axbn"}
+    assert all(v > 0 for v in row["update_ms"].values()) and row["update_over_xbm_step"]["xbm"] == 0
 
 
 def test_targets_read_the_whole_interval_at_the_largest_memory():

@@ -51,10 +51,11 @@ def test_the_memory_update_reads_nothing_back_from_the_device(method):
             memory.add_to_memory(*batch(step), 16)
     assert counts["n"] == 0
     assert memory.has_been_filled and memory.adaptation_steps == 7
-    # The conversions happen where the trainer asks for them, every train.log_every steps: one read per value.
+    # The conversions happen where the trainer asks for them, every train.log_every steps: one read per value
+    # (none for xbm, whose rows are never mapped, so nothing can have turned non-finite).
     with counted_conversions() as counts:
         memory.check_finite()
-    assert counts["n"] == 1
+    assert counts["n"] == (0 if method == "xbm" else 1)
 
 
 def test_the_counter_detects_a_read(monkeypatch):

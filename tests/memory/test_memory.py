@@ -204,3 +204,39 @@ def test_memory_rows_fraction_or_count():
     assert memory_rows(1.0, 1000, 64) == 1000
     assert memory_rows(4096, 1000, 64) == 4096
     assert memory_rows(0.01, 1000, 64) == 64
+
+
+@pytest.mark.parametrize("moments", [None, BatchMoments()])
+def test_diagnostics_are_the_moments_the_update_saw(moments):
+    # Reduced only when read (the trainer reads them every train.log_every steps), from what the update kept.
+    memory = make_memory(moments, size=64, miner=False)
+    feed(memory, 2)
+    before = memory.valid_rows().double().clone()
+    batch = unit(16, seed=11) * 2
+    memory.add_to_memory(batch, labels(16, offset=300), 16)
+    got = {k: float(v) for k, v in memory.last_diagnostics.items()}
+    # The memory's moments come from the running sums, which follow each map exactly while the stored rows are
+    # float32: they differ by the rows' rounding (~1e-8 here).
+    assert got["memory_mean"] == pytest.approx(float(before.mean()), abs=1e-7)
+    assert got["memory_std"] == pytest.approx(float(before.std(0, unbiased=False).mean()), abs=1e-7)
+    if moments is None:
+        assert set(got) == {"memory_mean", "memory_std"}
+        return
+    b = batch.double()
+    scale = b.std(0, unbiased=False) / before.std(0, unbiased=False)
+    assert got["batch_mean"] == pytest.approx(float(b.mean()), abs=1e-9)
+    assert got["batch_std"] == pytest.approx(float(b.std(0, unbiased=False).mean()), abs=1e-9)
+    assert got["scale"] == pytest.approx(float(scale.mean()), abs=1e-7) and got["gain"] == 1.0
+
+
+def test_refreshed_sums_over_several_blocks_equal_a_direct_reduction():
+    from xbn.memory.cross_batch import REFRESH_BLOCK
+
+    memory = make_memory(BatchMoments(), size=2 * REFRESH_BLOCK + 88, miner=False)
+    rows = unit(memory.memory_size, seed=4) * 3 + 0.5
+    memory.add_to_memory(rows, labels(len(rows)), len(rows))
+    memory.row_sum.fill_(7.0)  # whatever the running sums drifted to
+    memory.refresh_sums()
+    r = rows.double()
+    torch.testing.assert_close(memory.row_sum, r.sum(0), rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(memory.row_sq_sum, (r * r).sum(0), rtol=1e-12, atol=1e-10)

@@ -91,3 +91,24 @@ def test_xbn_train_reports_a_non_finite_loss_in_one_line_with_exit_1(tiny_params
     monkeypatch.setattr(stage, "fit", diverge)
     assert main(["train", "--params", str(ROOT / "params.yaml"), "-q", *(f"--set={o}" for o in TINY)]) == 1
     assert capsys.readouterr().err.strip() == f"xbn train: {message}"
+
+
+def test_without_a_trainer_the_update_is_named_by_its_count_and_the_report_counts_dims():
+    from pytorch_metric_learning import losses
+
+    from xbn.memory import CrossBatchMemory
+    from xbn.memory.moments import KalmanMoments
+
+    memory = CrossBatchMemory(losses.SupConLoss(), D, 64, moments=KalmanMoments(D, p0=1.0, q=0.1, r=1.0))
+    memory.add_to_memory(unit(16, 0), labels(16, 0), 16)  # stores rows: no update yet
+    memory.add_to_memory(unit(16, 1), labels(16, 1), 16)  # memory update 1, finite
+    memory.check_finite()
+    batch = unit(16, 2)
+    batch[3, [1, 4]] = float("nan")  # two dims of the batch, hence of the Kalman mean and std
+    stored = memory.embedding_memory[:32].clone()
+    memory.add_to_memory(batch, labels(16, 2), 16)
+    assert torch.equal(memory.embedding_memory[:32], stored)
+    with pytest.raises(NonFiniteLossError, match=r"at memory update 2: .*mean: 2 of 8 dims non-finite, std: 2 of "
+                                                 r"8; Kalman gain non-finite in 0 dims; batch finite: False, "
+                                                 r"memory moments finite: True\)"):
+        memory.check_finite()

@@ -41,7 +41,7 @@ class _CountedMoments(nn.Module):
         self.count = 0
 
     def _advance(self) -> None:
-        self.steps += 1
+        self.steps.add_(1)  # in place: `+=` would also go through nn.Module.__setattr__ every step
         self.count += 1
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -69,9 +69,12 @@ class _RecursiveMoments(_CountedMoments):
         if self.count == 0:
             self.mean.copy_(memory_mean)
             self.std.copy_(memory_std)
-        self.gain.copy_(self.next_gain(batch_size))
-        self.mean.add_(self.gain * (batch_mean - self.mean))
-        self.std.add_(self.gain * (batch_std - self.std))
+        gain = self.next_gain(batch_size)
+        if gain is not self.gain:  # a held gain is already in place
+            self.gain.copy_(gain)
+        # x + K (y - x) in one operation each (a few microseconds of dispatch saved per step at small M).
+        self.mean.lerp_(batch_mean, self.gain)
+        self.std.lerp_(batch_std, self.gain)
         self._advance()
         return self.mean, self.std
 
@@ -105,7 +108,9 @@ class EMAMoments(_RecursiveMoments):
         self.momentum = float(momentum)
 
     def next_gain(self, batch_size: int) -> torch.Tensor:
-        return torch.full_like(self.gain, 1.0 - self.momentum)
+        if self.count == 0:  # constant: written once (and saved with the state)
+            self.gain.fill_(1.0 - self.momentum)
+        return self.gain
 
 
 class AdaptiveKalmanMoments(_CountedMoments):
