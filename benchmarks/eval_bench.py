@@ -1,11 +1,14 @@
 """Retrieval evaluation at SOP scale: xbn vs pytorch-metric-learning's AccuracyCalculator vs scikit-learn.
 
-    python -m benchmarks eval [--quick] [--sizes 10000 60000 120000] [--no-nmi]
+    python -m benchmarks eval [--quick] [--sizes 10000 60000 120000] [--no-nmi] [--contenders ...]
 
 For each size N: clustered random unit vectors (d = 512, 2 to 8 images per class, 5 on average, like SOP),
 evaluated leave-one-out by each contender in its own child process (time of the computation, peak RSS of
 the process), capped at --mem-limit-gb so that a contender that needs more is recorded as out of memory.
-  ours     xbn.evaluation.retrieval_metrics (Recall@k, MAP@R, R-precision) + its NMI (faiss k-means)
+  ours     xbn.evaluation.retrieval_metrics (Recall@k, MAP@R, R-precision) + its NMI (faiss k-means), on the
+           path this CPU picks (a bf16 first pass where bf16 products are fast, else float32)
+  ours-fp32  the same with the float32 path forced (XBN_CPU_BF16=0): what a CPU without fast bf16 runs;
+           its metrics must equal ours' exactly
   pml      AccuracyCalculator(precision_at_1, r_precision, mean_average_precision_at_r, k="max_bin_count"),
            then its NMI; precision_at_1 is Recall@1
   sklearn  NearestNeighbors(algorithm="brute") + the metrics from their definitions in numpy; no NMI (a
@@ -13,10 +16,14 @@ the process), capped at --mem-limit-gb so that a contender that needs more is re
 Metric values are compared with ours where both finished.
 
 The exact search is bound by its matrix products, so the same run measures what this machine's GEMM gives:
-in ours' child, right after its search, a float32 `a @ b.T` of the search's block shape (`BLOCK` x d by
-d x `BLOCK`, torch, the same threads), and `search_fraction_of_gemm` = the FLOPs the symmetric leave-one-out
-search does (`self_search_flops`) / its time / that GEMM rate. Once per run, float32 and bfloat16 GEMMs of one
-smaller shape side by side with the CPU's flags: whether a bfloat16 first pass could pay here.
+in each ours child, right after its search, float32 and bfloat16 `a @ b.T` of the search's block shape
+(`BLOCK` x d by d x `BLOCK`, torch, the same threads, into a reused result as the search does), and
+`search_fraction_of_gemm` = the FLOPs the symmetric leave-one-out search does (`self_search_flops`) / its
+time / the float32 GEMM rate (`search_fraction_of_bf16_gemm`: of the bfloat16 rate). Each ours row records
+which first pass ran (`search_path`), how many queries its bound could not certify (`fallback_queries`,
+searched again in float32; `exhaustive_queries`, scored against every reference) and its speed-up over
+AccuracyCalculator. Once per run, float32 and bfloat16 GEMMs of one smaller shape side by side with the
+CPU's flags.
 Writes benchmarks/results/eval.json.
 """
 
@@ -45,7 +52,8 @@ from benchmarks.common import (
 )
 from benchmarks.verdicts import verdict
 
-CONTENDERS = ("ours", "pml", "sklearn")
+CONTENDERS = ("ours", "ours-fp32", "pml", "sklearn")
+OURS = ("ours", "ours-fp32")
 KS = (1, 2, 4, 8, 10, 100)
 # The seed faiss.Kmeans uses by default, hence PML's: ours uses it too so that the NMI values can be compared.
 KMEANS_SEED = 1234
@@ -77,18 +85,20 @@ def self_search_flops(n: int, dim: int, block: int = BLOCK) -> int:
 
 
 def gemm_gflops(rows: int, dim: int, dtype: str = "float32", min_seconds: float = 1.0) -> float:
-    """GFLOP/s of torch's `a @ b.T` with a, b [rows, dim] of `dtype`, on this process's torch threads: repeated
-    until `min_seconds` have passed, after one untimed product."""
+    """GFLOP/s of torch's `a @ b.T` with a, b [rows, dim] of `dtype`, on this process's torch threads, into one
+    reused result (a fresh one per product would add page faults the search does not pay): repeated until
+    `min_seconds` have passed, after one untimed product."""
     import torch
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(rows, dim, generator=g).to(getattr(torch, dtype))
     b = torch.randn(rows, dim, generator=g).to(getattr(torch, dtype))
+    out = torch.empty(rows, rows, dtype=a.dtype)
     with torch.no_grad():
-        a @ b.T
+        torch.matmul(a, b.T, out=out)
         reps, start = 0, time.perf_counter()
         while (elapsed := time.perf_counter() - start) < min_seconds or reps == 0:
-            a @ b.T
+            torch.matmul(a, b.T, out=out)
             reps += 1
     return 2 * rows * rows * dim * reps / elapsed / 1e9
 
@@ -128,21 +138,27 @@ def _run_ours(x: np.ndarray, labels: np.ndarray, nmi: bool) -> dict[str, Any]:
 
 
 def _search_vs_gemm(x: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
-    """The search alone (the like-for-like k), then the GEMM of its block shape, back to back."""
+    """The search alone (the like-for-like k), then the GEMMs of its block shape, back to back."""
     import torch
 
     from xbn.evaluation.knn import knn_search
 
     k = max(1, int(np.bincount(labels).max()) - 1)  # retrieval_metrics' k for ks=(1,): the largest R
+    stats: dict[str, Any] = {}
     start = time.perf_counter()
-    knn_search(x, x, k, exclude_self=True, chunk_size=BLOCK)
+    knn_search(x, x, k, exclude_self=True, chunk_size=BLOCK, stats=stats)
     search_s = time.perf_counter() - start
     flops = self_search_flops(len(x), x.shape[1], BLOCK)
+    gflops = flops / search_s / 1e9
     gemm = gemm_gflops(min(BLOCK, len(x)), x.shape[1])
-    return {"search_s": search_s, "search_k": k, "search_flops": flops,
-            "search_gflops": round(flops / search_s / 1e9, 2), "gemm_block": min(BLOCK, len(x)),
-            "gemm_float32_gflops": round(gemm, 2), "gemm_threads": torch.get_num_threads(),
-            "search_fraction_of_gemm": round(flops / search_s / 1e9 / gemm, 4)}
+    gemm_bf16 = gemm_gflops(min(BLOCK, len(x)), x.shape[1], "bfloat16")
+    return {"search_s": search_s, "search_k": k, "search_flops": flops, "search_gflops": round(gflops, 2),
+            "search_path": stats["path"], "search_candidates": stats["candidates"],
+            "fallback_queries": stats["fallback_queries"], "exhaustive_queries": stats["exhaustive_queries"],
+            "gemm_block": min(BLOCK, len(x)), "gemm_float32_gflops": round(gemm, 2),
+            "gemm_bfloat16_gflops": round(gemm_bf16, 2), "gemm_threads": torch.get_num_threads(),
+            "search_fraction_of_gemm": round(gflops / gemm, 4),
+            "search_fraction_of_bf16_gemm": round(gflops / gemm_bf16, 4)}
 
 
 def _run_pml(x: np.ndarray, labels: np.ndarray, nmi: bool) -> dict[str, Any]:
@@ -187,17 +203,22 @@ def _run_sklearn(x: np.ndarray, labels: np.ndarray, nmi: bool) -> dict[str, Any]
     return {"knn_s": time.perf_counter() - start, "metrics": metrics}
 
 
-RUNNERS = {"ours": _run_ours, "pml": _run_pml, "sklearn": _run_sklearn}
+RUNNERS = {"ours": _run_ours, "ours-fp32": _run_ours, "pml": _run_pml, "sklearn": _run_sklearn}
 LIBRARIES = {
     # metrics imports scikit-learn lazily (NMI) and torch in the leave-one-out search: loaded before timing,
     # as pml's torch is.
     "ours": ("xbn.evaluation", "sklearn.metrics", "torch"),
+    "ours-fp32": ("xbn.evaluation", "sklearn.metrics", "torch"),
     "pml": ("pytorch_metric_learning.utils.accuracy_calculator",),
     "sklearn": ("sklearn.neighbors",),
 }
 
 
 def child_main(contender: str, data_dir: Path, result_path: Path, nmi: bool) -> None:
+    if contender == "ours-fp32":
+        from xbn.utils.cpu import FORCE_ENV
+
+        os.environ[FORCE_ENV] = "0"
     x = np.load(data_dir / "x.npy")
     labels = np.load(data_dir / "labels.npy")
     # Import the contender's libraries before measuring the baseline, so the baseline is what it costs to
@@ -265,10 +286,14 @@ def _compare_with_ours(rows: list[dict[str, Any]]) -> None:
 
 def derive(rows: list[dict[str, Any]]) -> None:
     """Add each finished contender's time ratio to ours at the same N (`knn_ratio_vs_ours`: the like-for-like
-    kNN metrics, or with R@1..100 for scikit-learn, which computes those; `total_ratio_vs_ours` with NMI)."""
+    kNN metrics, or with R@1..100 for scikit-learn, which computes those; `total_ratio_vs_ours` with NMI), and
+    to each ours row its speed-up over AccuracyCalculator (`speedup_vs_pml`, the kNN metrics)."""
     by_key = {(r["n"], r["contender"]): r for r in rows}
     for r in rows:
         ours = by_key.get((r["n"], "ours"))
+        pml = by_key.get((r["n"], "pml"))
+        if r["contender"] in OURS and pml and pml["status"] == "ok" and r["status"] == "ok":
+            r["speedup_vs_pml"] = round(pml["knn_s"] / r["knn_s"], 3)
         if r["contender"] == "ours" or not ours or ours["status"] != "ok" or r["status"] != "ok":
             continue
         mine = ours.get("knn_all_ks_s", ours["knn_s"]) if r["contender"] == "sklearn" else ours["knn_s"]
@@ -279,29 +304,37 @@ def derive(rows: list[dict[str, Any]]) -> None:
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The evaluation's targets, each with its measured value and verdict (single measurements: the interval
-    is the value itself). Speed vs AccuracyCalculator at the largest N where both finished; the search's share
-    of the GEMM rate and the peak memory at the largest N ours finished."""
+    is the value itself). Speed-ups over AccuracyCalculator at the largest N where both finished: 3x on the
+    bf16 path, 2x on the float32 path (a CPU without fast bf16; ours-fp32 stands in for it here); the float32
+    search's share of the float32 GEMM rate (ours-fp32's where both ran) and ours' peak memory at the largest N;
+    metrics equal to AccuracyCalculator's, scikit-learn's and, exactly, between our two paths."""
     ok = [r for r in rows if r["status"] == "ok"]
     out = []
-    both = [r for r in ok if r["contender"] == "pml" and "knn_ratio_vs_ours" in r]
-    if both:
-        r = max(both, key=lambda r: r["n"])
-        out.append({"what": "AccuracyCalculator time / ours (kNN metrics)", "n": r["n"],
-                    "value": r["knn_ratio_vs_ours"], "at_least": 3.0})
+    for contender in OURS:
+        timed = [r for r in ok if r["contender"] == contender and "speedup_vs_pml" in r]
+        if timed:
+            r = max(timed, key=lambda r: r["n"])
+            out.append({"what": f"AccuracyCalculator time / {contender} (kNN metrics)", "n": r["n"],
+                        "value": r["speedup_vs_pml"], "path": r.get("search_path", "float32"),
+                        "at_least": 2.0 if r.get("search_path") == "float32" else 3.0})
+    # files from before the bf16 path have no search_path: their search was float32
+    fp32 = [r for r in ok if r["contender"] in OURS and "search_fraction_of_gemm" in r
+            and r.get("search_path", "float32") == "float32"]
+    if fp32:
+        r = max(fp32, key=lambda r: (r["n"], r["contender"] == "ours-fp32"))
+        out.append({"what": "search GFLOP/s / float32 GEMM GFLOP/s", "n": r["n"], "contender": r["contender"],
+                    "value": r["search_fraction_of_gemm"], "at_least": 0.85})
     ours = [r for r in ok if r["contender"] == "ours"]
     if ours:
         r = max(ours, key=lambda r: r["n"])
-        if "search_fraction_of_gemm" in r:
-            out.append({"what": "search GFLOP/s / float32 GEMM GFLOP/s", "n": r["n"],
-                        "value": r["search_fraction_of_gemm"], "at_least": 0.85})
         out.append({"what": "ours' peak RSS, GB", "n": r["n"], "value": round(r["peak_rss_gb"], 3),
                     "at_most": 2.0})
-    for contender in ("pml", "sklearn"):
+    for contender, most in (("ours-fp32", 0.0), ("pml", 1e-9), ("sklearn", 1e-9)):
         diffs = [r for r in ok if r["contender"] == contender and "max_abs_diff_vs_ours" in r]
         if diffs:
             r = max(diffs, key=lambda r: r["max_abs_diff_vs_ours"])
             out.append({"what": f"largest absolute metric difference, {contender} vs ours", "n": r["n"],
-                        "value": r["max_abs_diff_vs_ours"], "at_most": 1e-9})
+                        "value": r["max_abs_diff_vs_ours"], "at_most": most})
     for t in out:
         bound = {k: t[k] for k in ("at_most", "at_least") if k in t}
         t["verdict"] = verdict(t["value"], t["value"], **bound)
@@ -311,7 +344,7 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def render(rows: list[dict[str, Any]]) -> str:
     headers = ["N", "contender", "status", "kNN metrics s", "with R@1..100 s", "NMI s", "total s", "peak RSS GB",
                "baseline RSS GB", "R@1", "MAP@R", "RP", "NMI", "max abs diff vs ours", "kNN time / ours",
-               "total time / ours"]
+               "total time / ours", "AccuracyCalculator time / this"]
     table = []
     for r in rows:
         m = r.get("metrics", {})
@@ -319,17 +352,22 @@ def render(rows: list[dict[str, Any]]) -> str:
                       r.get("total_s"),
                       r["peak_rss_gb"] if r["status"] == "ok" else None, r.get("baseline_rss_gb"),
                       m.get("recall@1"), m.get("map@r"), m.get("r_precision"), m.get("nmi"),
-                      r.get("max_abs_diff_vs_ours"), r.get("knn_ratio_vs_ours"), r.get("total_ratio_vs_ours")])
+                      r.get("max_abs_diff_vs_ours"), r.get("knn_ratio_vs_ours"), r.get("total_ratio_vs_ours"),
+                      r.get("speedup_vs_pml")])
     return markdown_table(headers, table)
 
 
 def render_search(rows: list[dict[str, Any]]) -> str:
-    """Ours' search against the GEMM rate measured right after it."""
-    table = [[r["n"], r["search_k"], r["search_s"], r["search_flops"], r["search_gflops"], r["gemm_block"],
-              r["gemm_threads"], r["gemm_float32_gflops"], r["search_fraction_of_gemm"]]
-             for r in rows if r["contender"] == "ours" and "search_s" in r]
-    return markdown_table(["N", "k", "search s", "FLOPs (d(N^2 + sum b^2))", "search GFLOP/s", "GEMM block",
-                           "threads", "float32 GEMM GFLOP/s", "fraction"], table)
+    """Ours' search against the GEMM rates measured right after it."""
+    keys = ["n", "contender", "search_path", "search_k", "search_candidates", "fallback_queries",
+            "exhaustive_queries", "search_s", "search_flops", "search_gflops", "gemm_block", "gemm_threads",
+            "gemm_float32_gflops", "gemm_bfloat16_gflops", "search_fraction_of_gemm",
+            "search_fraction_of_bf16_gemm"]
+    table = [[r.get(key) for key in keys] for r in rows if r["contender"] in OURS and "search_s" in r]
+    return markdown_table(["N", "contender", "first pass", "k", "candidates", "fallback queries",
+                           "exhaustive queries", "search s", "FLOPs (d(N^2 + sum b^2))", "search GFLOP/s",
+                           "GEMM block", "threads", "float32 GEMM GFLOP/s", "bfloat16 GEMM GFLOP/s",
+                           "fraction of float32", "fraction of bfloat16"], table)
 
 
 def main(argv: list[str] | None = None) -> None:

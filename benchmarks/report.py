@@ -143,9 +143,11 @@ def eval_section(data: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
            "also with R@1..100 (what `xbn evaluate` reports), which the scikit-learn row computes and is compared "
            "with.", "", eval_bench.render(rows), ""]
     if any("search_s" in r for r in rows):
-        out += ["Ours' exact search alone against the float32 GEMM rate measured right after it in the same child "
-                "(`a @ b.T` of the search's block shape, same threads). FLOPs are those the symmetric "
-                "leave-one-out path does, `self_search_flops` = d(N^2 + sum of squared block sizes).", "",
+        out += ["Ours' exact search alone against the float32 and bfloat16 GEMM rates measured right after it in "
+                "the same child (`a @ b.T` of the search's block shape, same threads), with the first pass that ran "
+                "and the queries its bound could not certify (fallback: searched again in float32; exhaustive: "
+                "scored against every reference). FLOPs are those the symmetric leave-one-out path does, "
+                "`self_search_flops` = d(N^2 + sum of squared block sizes).", "",
                 eval_bench.render_search(rows), ""]
     else:
         out += ["This file holds no GEMM measurement: the search's share of the machine's GEMM rate was not "
@@ -159,7 +161,8 @@ def eval_section(data: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                 f"{g['bfloat16_gflops']} GFLOP/s. "
                 + ("bfloat16 is slower here, so a bfloat16 first pass of the search cannot pay on this machine; "
                    "the search stays exact float32." if slower else
-                   "bfloat16 is faster here: a bfloat16 first pass re-scored in float32 could pay (not built).")
+                   "bfloat16 is faster here: the search's first pass can run in bfloat16, its candidates "
+                   "re-scored exactly (see the first pass above).")
                 + (" The CPU lists avx512_bf16." if bf16_units else " The CPU does not list avx512_bf16."), ""]
     out += ["Targets (single measurements: a value is met or missed):", ""]
     for t in targets:

@@ -4,10 +4,11 @@ Embeddings are L2-normalized, so the inner product is the cosine similarity. The
 chunk at a time and keeps only k neighbours per query, so memory stays O(N·k + chunk·N) and never N², which is
 what lets a 120k-image test set be evaluated on a laptop.
 
-Leave-one-out on one set (CUB, Cars196, SOP) on the CPU takes a symmetric path: the similarity matrix equals its
-transpose, so each block above the diagonal is computed once and serves the top-k of its rows and of its columns.
-That halves the O(N²·d) products that dominate the search. Written by hand: faiss and scikit-learn search a set
-against itself as against any other set.
+On the CPU the search is `xbn.evaluation.cpu_knn`: a bf16 (where this CPU multiplies bf16 fast) or float32
+first pass keeps a few more candidates than k, which are re-scored by one exact routine and certified, so the
+result does not depend on the path. Leave-one-out on one set (CUB, Cars196, SOP) there takes a symmetric path:
+the similarity matrix equals its transpose, so each block above the diagonal is computed once and serves the
+top-k of its rows and of its columns, half the O(N²·d) products. On a GPU: faiss's GPU index, or torch.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import faiss
 import numpy as np
 
+from xbn.evaluation import cpu_knn
 from xbn.utils.arrays import finite_array
 
 # faiss GPU indexes refuse larger k (faiss/gpu/utils/DeviceDefs.cuh); beyond it the torch path takes over.
@@ -45,15 +47,17 @@ def knn_search(
     chunk_size: int = 4096,
     device: Any = "cpu",
     exclude: Any = None,
+    stats: dict | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The k most similar references of each query: (similarities float32 [Nq, k], indices int64 [Nq, k]).
 
     Rows are sorted by decreasing similarity. `k` is clamped to the number of references (minus one with
     `exclude_self`). `exclude_self=True` is leave-one-out on one set (queries must equal references): k+1
     neighbours are searched and each query's own index is removed by index, not by similarity, so an exact
-    duplicate of the query is kept as a neighbour; if duplicates push the query out of its own k+1, the last
-    neighbour is dropped instead. `device` "cpu" uses faiss `IndexFlatIP`; a CUDA device uses a faiss GPU
-    index when faiss has GPU support, else torch matmul + topk on that device.
+    duplicate of the query is kept as a neighbour. `device` "cpu" is exact with ties broken by the lower index
+    (`cpu_knn`; `stats`, a dict, receives its path and fallback counts); a CUDA device uses a faiss GPU index
+    when faiss has GPU support, else torch matmul + topk on that device (there, if duplicates push the query out
+    of its own k+1, the last neighbour is dropped instead).
     `exclude` (int array [Nq]) drops reference `exclude[i]` from query i's list the same way: leave-one-out
     when the queries are transformed copies of the references (refined queries against the plain set).
     """
@@ -85,8 +89,8 @@ def knn_search(
         return sims, idx
     k_search = k + int(drop)
 
-    if exclude_self and str(device) == "cpu":
-        return _self_search(q, k, chunk_size)
+    if str(device) == "cpu":
+        return cpu_knn.search(q, r, k, exclude=exclude, symmetric=exclude_self, block=chunk_size, stats=stats)
     search = _search_fn(r, k_search, device)
     for start in range(0, len(q), chunk_size):
         stop = min(start + chunk_size, len(q))
@@ -97,61 +101,6 @@ def knn_search(
         sims[start:stop] = d_chunk
         idx[start:stop] = i_chunk
     return sims, idx
-
-
-def _self_search(x: np.ndarray, k: int, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Leave-one-out k-NN of `x` among its own rows by blocks of the upper triangle of x·xᵀ: block (I, J), J > I,
-    updates the running top-k of rows I from its rows and of rows J from its columns. The diagonal blocks go
-    first and fill every row's top-k with a plain top-k; after that only entries above a row's current k-th
-    best can enter it, and those are few: they are gathered sparsely (`_merge`) instead of a top-k over every
-    block, which at k = 100 costs as much as the block's product. The own row is removed by index (the
-    diagonal set to -inf), so an exact duplicate of a query stays its neighbour."""
-    import torch
-
-    n = len(x)
-    xt = torch.from_numpy(x)
-    sims = torch.full((n, k), -torch.inf)
-    idx = torch.zeros((n, k), dtype=torch.long)
-    starts = range(0, n, block)
-    with torch.no_grad():
-        for i0 in starts:
-            i1 = min(i0 + block, n)
-            s = xt[i0:i1] @ xt[i0:i1].T
-            s.fill_diagonal_(-torch.inf)
-            top, at = torch.topk(s, min(k, i1 - i0), dim=1)
-            sims[i0:i1, : top.shape[1]], idx[i0:i1, : top.shape[1]] = top, at + i0
-        for i0 in starts:
-            i1 = min(i0 + block, n)
-            for j0 in range(i0 + block, n, block):
-                j1 = min(j0 + block, n)
-                s = xt[i0:i1] @ xt[j0:j1].T
-                r, c = torch.nonzero(s > sims[i0:i1, -1:], as_tuple=True)  # candidates of rows I, by row
-                _merge(sims, idx, r + i0, c + j0, s[r, c])
-                r, c = torch.nonzero(s > sims[j0:j1, -1], as_tuple=True)  # of rows J (the columns)
-                order = torch.argsort(c, stable=True)  # grouped by column, rows ascending within
-                r, c = r[order], c[order]
-                _merge(sims, idx, c + j0, r + i0, s[r, c])
-    return sims.numpy(), idx.numpy()
-
-
-def _merge(sims, idx, rows, columns, values) -> None:
-    """Merge candidates (query `rows` grouped in ascending order, their neighbour `columns` and `values`) into
-    the running top-k (sims, idx: descending per row) with one top-k over [touched rows, k + most candidates]."""
-    import torch
-
-    if not len(rows):
-        return
-    k = sims.shape[1]
-    touched, counts = torch.unique_consecutive(rows, return_counts=True)
-    slot = torch.repeat_interleave(torch.arange(len(touched)), counts)
-    position = torch.arange(len(rows)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    width = k + int(counts.max())
-    pool_v = torch.full((len(touched), width), -torch.inf)
-    pool_i = torch.zeros((len(touched), width), dtype=torch.long)
-    pool_v[:, :k], pool_i[:, :k] = sims[touched], idx[touched]  # the earlier neighbours first: on a tie the
-    pool_v[slot, k + position], pool_i[slot, k + position] = values, columns  # lower index stays, as in faiss
-    top, at = torch.topk(pool_v, k, dim=1)
-    sims[touched], idx[touched] = top, torch.gather(pool_i, 1, at)
 
 
 def _drop_self(sims: np.ndarray, idx: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
