@@ -70,7 +70,9 @@ def test_the_first_model_becomes_champion_and_registering_it_again_changes_nothi
 
 
 def test_the_gate_promotes_a_better_model_and_rejects_a_worse_one_on_val_not_on_test(params):
-    run_pipeline(params, seed=0, blind=True)  # R@1 about 0 on val (which query ties win is up to the search)
+    # The blind model's embeddings all tie: the search breaks ties by the lower index, so every query's neighbour
+    # is the first image (the second for the first itself), a hit only for that image's class: R@1 = 4 / 32.
+    run_pipeline(params, seed=0, blind=True)
     # The test metrics say worse; the val split, which decides, says every query improved.
     better = run_pipeline(params, seed=1, **{"recall@1": 0.10})
     assert better["decision"] == "promoted" and better["alias"] == "champion"
@@ -79,8 +81,8 @@ def test_the_gate_promotes_a_better_model_and_rejects_a_worse_one_on_val_not_on_
     gate = better["gate"]
     assert (gate["split"], gate["metric"], gate["queries"]) == ("val", "recall@1", VAL_QUERIES)
     assert gate["champion_version"] == 1
-    assert gate["difference"] > 0.9 and 0.5 < gate["low"] <= gate["difference"] <= gate["high"] <= 1.0
-    assert gate["challenger_metrics"]["recall@1"] == 1.0 and gate["champion_metrics"]["recall@1"] < 0.1
+    assert gate["difference"] == 0.875 and 0.5 < gate["low"] <= gate["difference"] <= gate["high"] <= 1.0
+    assert gate["challenger_metrics"]["recall@1"] == 1.0 and gate["champion_metrics"]["recall@1"] == 0.125
     assert better["reason"].startswith(f"{interval(gate)} over champion v1: the lower bound exceeds +0.0000")
 
     # Better on test, blind on val: rejected, the interval and the guarded metrics that fell named.
@@ -141,7 +143,7 @@ def test_after_the_data_changed_both_models_are_compared_on_the_current_data(par
     second = run_pipeline(params, seed=1)
     assert second["decision"] == "promoted" and alias(params, "champion") == 2
     assert second["data_hash"] != first["data_hash"]  # still recorded on every version
-    assert second["gate"]["queries"] == VAL_QUERIES and second["gate"]["champion_metrics"]["recall@1"] < 0.1
+    assert second["gate"]["queries"] == VAL_QUERIES and second["gate"]["champion_metrics"]["recall@1"] <= 0.125
 
 
 def test_without_a_val_split_a_challenger_is_held_but_the_first_model_is_promoted(params):
