@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from xbn.config.errors import ConfigError
+
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 FORCE_ENV = "XBN_CPU_BF16"  # "1": treat bf16 as fast, "0": as slow; unset: detect and probe
 MARGIN = 1.2  # bf16 must be this much faster to be chosen: a near tie is not worth its rounding
@@ -45,7 +47,7 @@ def forced_bf16() -> bool | None:
     if not value:
         return None
     if value not in ("0", "1"):
-        raise ValueError(f"{FORCE_ENV}={value!r}: use 1 (bf16 fast paths on), 0 (off), or leave it unset")
+        raise ConfigError(f"{FORCE_ENV}={value!r}: use 1 (bf16 fast paths on), 0 (off), or leave it unset")
     return value == "1"
 
 
