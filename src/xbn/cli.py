@@ -14,6 +14,7 @@ from xbn.utils.errors import (
     EXIT_DATA,
     EXIT_FAILURE,
     EXIT_SERVICE,
+    EnvironmentSettingError,
     IntegrityError,
     NonFiniteLossError,
     RegistryError,
@@ -404,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     from xbn.data import DatasetError
 
     exit_codes = (
-        ((ConfigError,), EXIT_CONFIG),  # a check that needs more than the schema (e.g. a tune.space bound)
+        # a check that needs more than the schema (e.g. a tune.space bound), or a bad XBN_CPU_BF16
+        ((ConfigError, EnvironmentSettingError), EXIT_CONFIG),
         # FileExistsError: data.root not ours; IntegrityError: a model file is not the one written or registered
         ((DatasetError, FileNotFoundError, FileExistsError, IntegrityError), EXIT_DATA),
         ((ServiceUnavailableError,), EXIT_SERVICE),  # the tracking store is down: nothing was started

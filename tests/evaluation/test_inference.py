@@ -144,9 +144,9 @@ def test_what_auto_chooses_keeps_parity_with_float32(monkeypatch, pretrained, gl
     served(model, data_config, SIZE, precision="float32", channels_last=False)
 
 
-def test_a_bad_force_value_is_a_config_error_naming_it(monkeypatch, pretrained):
-    from xbn.config import ConfigError
+def test_a_bad_force_value_is_an_error_naming_it(monkeypatch, pretrained):
+    from xbn.utils.errors import EnvironmentSettingError
 
     monkeypatch.setenv("XBN_CPU_BF16", "yes")
-    with pytest.raises(ConfigError, match="XBN_CPU_BF16='yes': use 1"):
+    with pytest.raises(EnvironmentSettingError, match="XBN_CPU_BF16='yes': use 1"):
         choose_inference_mode(pretrained[0], CPU, SIZE, "auto", False)

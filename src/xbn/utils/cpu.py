@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from xbn.config.errors import ConfigError
+from xbn.utils.errors import EnvironmentSettingError
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 FORCE_ENV = "XBN_CPU_BF16"  # "1": treat bf16 as fast, "0": as slow; unset: detect and probe
@@ -47,7 +47,7 @@ def forced_bf16() -> bool | None:
     if not value:
         return None
     if value not in ("0", "1"):
-        raise ConfigError(f"{FORCE_ENV}={value!r}: use 1 (bf16 fast paths on), 0 (off), or leave it unset")
+        raise EnvironmentSettingError(f"{FORCE_ENV}={value!r}: use 1 (bf16 fast paths on), 0 (off), or leave it unset")
     return value == "1"
 
 

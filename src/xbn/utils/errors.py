@@ -7,6 +7,11 @@ EXIT_DATA = 3  # the data (or a file a stage needs) is missing or fails validati
 EXIT_SERVICE = 4  # a service the run needs (the MLflow tracking store) cannot be reached
 
 
+class EnvironmentSettingError(ValueError):
+    """An environment variable xbn reads (e.g. XBN_CPU_BF16) holds a value it does not accept; exit 2, as a bad
+    param."""
+
+
 class ServiceUnavailableError(ConnectionError):
     """A service the run needs (the MLflow tracking store) cannot be reached; the message names it."""
 
