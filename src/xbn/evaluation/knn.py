@@ -1,8 +1,8 @@
 """Exact k-nearest-neighbour search by inner product, chunked over queries.
 
 Embeddings are L2-normalized, so the inner product is the cosine similarity. The search walks the queries one
-chunk at a time and keeps only k neighbours per query, so memory stays O(N·k + chunk·N) and never N², which is
-what lets a 120k-image test set be evaluated on a laptop.
+block at a time and keeps only a few more than k candidates per query, so memory stays O(N·k + block²) and never
+N², which is what lets a 120k-image test set be evaluated on a laptop.
 
 On the CPU the search is `xbn.evaluation.cpu_knn`: a bf16 (where this CPU multiplies bf16 fast) or float32
 first pass keeps a few more candidates than k, which are re-scored by one exact routine and certified, so the

@@ -438,7 +438,7 @@ def build_catalogue(
     emb, kept, skipped = model.embed_frame(frame, root, cfg.batch_size, num_workers)
     catalogue = CatalogueIndex.build(emb, frame.iloc[kept], cfg, model.sha256, queries)
     catalogue.meta["skipped"] = skipped
-    catalogue.meta["inference"] = model.mode.record()  # the mode that embedded it (bf16 keeps cosine >= 0.999)
+    catalogue.meta["inference"] = model.mode.record()  # the mode that embedded it (`xbn.evaluation.inference`)
     return catalogue
 
 
