@@ -12,6 +12,8 @@ from tests_support import ROOT
 from xbn.config import ConfigError, load_params
 from xbn.memory.moments import KalmanMoments
 from xbn.tuning import LAMBDA, SearchSpace, as_overrides
+from xbn.tuning.report import batch_verdict
+from xbn.tuning.space import batch_ladder
 from xbn.tuning.storage import resolve_storage
 
 
@@ -150,3 +152,57 @@ def test_the_cli_refuses_a_bad_bound_by_key_before_any_work(tmp_path, monkeypatc
     assert main(["tune", "--params", str(ROOT / "params.yaml"), "--worker", "--apply"]) == 2
     assert "--apply merges the study's result" in capsys.readouterr().err
     assert not (tmp_path / "tuning/optuna.db").exists()
+
+
+@pytest.mark.parametrize("budget, per_class, ladder", [
+    (64, 4, [16, 32, 64]), (100, 4, [16, 32, 64, 100]), (50, 4, [16, 32, 48]), (16, 4, [16]), (96, 8, [32, 64, 96]),
+])
+def test_max_batch_size_gives_doubling_classes_up_to_the_largest_that_fits(budget, per_class, ladder):
+    assert batch_ladder(budget, per_class) == ladder
+
+
+def test_a_budget_under_four_classes_is_refused_naming_it():
+    with pytest.raises(ConfigError, match=r"tune\.max_batch_size: 12 .*at least 16"):
+        batch_ladder(12, 4)
+
+
+def test_max_batch_size_adds_the_batch_to_the_space_and_every_choice_is_valid(tmp_path):
+    path = params_with_space(tmp_path, {"memory.method": {"type": "categorical", "choices": ["none", "axbn"]}},
+                             max_batch_size=64)
+    base = load_params(path)
+    space = SearchSpace.from_config(base.tune, base.train.samples_per_class)
+    assert space.dims["train.batch_size"].choices == [16, 32, 64]
+    space.check(path, base)  # 16, 32 and 64 all divide by train.samples_per_class
+    sampled = space.sample(optuna.trial.FixedTrial({"memory.method": "axbn", "train.batch_size": 16}))
+    assert load_params(path, as_overrides(space.to_params(sampled, base))).train.batch_size == 16
+    assert space.current(base) == {"memory.method": base.memory.method, "train.batch_size": 64}
+    assert "train.batch_size" not in SearchSpace.from_config(load_params(ROOT / "params.yaml").tune).dims
+
+
+def test_a_batch_in_the_space_above_the_budget_is_refused_naming_both(tmp_path):
+    path = params_with_space(tmp_path, {"train.batch_size": {"type": "categorical", "choices": [16, 128]}},
+                             max_batch_size=64)
+    with pytest.raises(ConfigError, match=r"tune\.space\.train\.batch_size: 128 is above tune\.max_batch_size "
+                                          r"\(64\)"):
+        load_params(path)
+
+
+def _trial(number: int, method: str, batch: int, value: float) -> optuna.trial.FrozenTrial:
+    dists = {"memory.method": optuna.distributions.CategoricalDistribution(["none", "axbn"]),
+             "train.batch_size": optuna.distributions.CategoricalDistribution([16, 32, 64])}
+    trial = optuna.trial.create_trial(params={"memory.method": method, "train.batch_size": batch},
+                                      distributions=dists, value=value)
+    trial.number = number
+    return trial
+
+
+def test_the_batch_verdict_compares_a_memory_at_a_smaller_batch_with_none_at_the_largest():
+    base = load_params(ROOT / "params.yaml")
+    batch = SearchSpace.from_config(base.tune.model_copy(update={"max_batch_size": 64}), 4).dims["train.batch_size"]
+    trials = [_trial(0, "none", 64, 0.70), _trial(1, "axbn", 16, 0.74), _trial(2, "none", 16, 0.80),
+              _trial(3, "axbn", 64, 0.90)]  # neither #2 (no memory, small batch) nor #3 (batch 64) is compared
+    text = batch_verdict(trials, base, batch)
+    assert text.startswith("A memory at batch 16 (axbn, #1: ") and "beats no memory at batch 64 (#0: 0.7000" in text
+    assert "+0.0400" in text
+    assert "does not beat" in batch_verdict([_trial(0, "none", 64, 0.75), _trial(1, "axbn", 32, 0.74)], base, batch)
+    assert "No complete trial without a memory at batch 64" in batch_verdict(trials[1:], base, batch)

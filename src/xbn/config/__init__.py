@@ -11,6 +11,7 @@ from xbn.config.overrides import apply_overrides
 from xbn.config.schema import (
     DATASETS,
     DEVICES,
+    BATCH_KEY,
     LAMBDA_KEY,
     MEMORY_METHODS,
     DataConfig,
@@ -36,7 +37,7 @@ from xbn.config.schema import (
     ValidateConfig,
 )
 
-__all__ = ["DATASETS", "DEVICES", "LAMBDA_KEY", "MEMORY_METHODS", "ConfigError", "DataConfig", "EvalConfig",
+__all__ = ["BATCH_KEY", "DATASETS", "DEVICES", "LAMBDA_KEY", "MEMORY_METHODS", "ConfigError", "DataConfig", "EvalConfig",
            "GlyphsConfig", "IndexConfig", "InferenceConfig", "KalmanConfig", "LossConfig", "MemVirConfig", "MemoryConfig",
            "ModelConfig", "MpnConfig", "Params", "RefineConfig", "RegistryConfig", "RhoConfig",
            "SamplerConfig", "ServeConfig", "TrackingConfig", "TrainConfig", "TuneConfig", "ValidateConfig",

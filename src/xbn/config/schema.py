@@ -409,6 +409,9 @@ class RegistryConfig(Section):
         return self
 
 
+BATCH_KEY = "train.batch_size"  # tune.max_batch_size bounds it
+
+
 class TuneConfig(Section):
     """`xbn tune`: an Optuna study over any params keys, scored by validation R@1 (never the test split)."""
 
@@ -451,12 +454,23 @@ class TuneConfig(Section):
     dir: str = "tuning"  # trial checkpoints/metrics, study plots, summary
     keep_checkpoints: bool = False
     output: str = "params.tuned.yaml"
+    # The largest train.batch_size your device fits (a memory budget you state). Set, the study also samples
+    # train.batch_size (xbn.tuning.space.batch_ladder) and says whether a memory at a smaller batch beats no
+    # memory at the largest one; a train.batch_size entry of the space must stay within it.
+    max_batch_size: int | None = Field(None, ge=2)
 
     @model_validator(mode="after")
     def _space_is_valid(self):
         for key, dim in self.space.items():
             if problem := dimension_problem(dim):
                 raise ValueError(f"tune.space.{key}: {problem}")
+        batch = self.space.get(BATCH_KEY)
+        if batch is not None and self.max_batch_size is not None:
+            numbers = [c for c in batch.choices or () if isinstance(c, (int, float)) and not isinstance(c, bool)]
+            largest = max(numbers, default=0) if batch.type == "categorical" else batch.high
+            if largest > self.max_batch_size:
+                raise ValueError(f"tune.space.{BATCH_KEY}: {largest:g} is above tune.max_batch_size "
+                                 f"({self.max_batch_size}), the largest batch you said fits")
         if LAMBDA_KEY in self.space and not self.lambda_mode:
             raise ValueError(f"tune.space.{LAMBDA_KEY} needs tune.lambda_mode: true")
         kalman = {"memory.kalman.r", "memory.kalman.q"} & self.space.keys()

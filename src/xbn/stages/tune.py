@@ -67,7 +67,7 @@ def tune(params: Params, *, workers: int = 1, worker: bool = False,
     study_dir = Path(params.tune.dir) / name
     resolved = _write_resolved(params, spec.url, name, study_dir / "params.yaml")
     base = load_checked(resolved)
-    space = SearchSpace.from_config(base.tune)
+    space = SearchSpace.from_config(base.tune, base.train.samples_per_class)
     space.check(resolved, base)
     _require_val_split(base)
     baseline = space.current(base) if base.tune.include_current else None
@@ -222,6 +222,8 @@ def _report(session: StudySession, space: SearchSpace, base: Params, tracker,
     log.info("study %s: best trial %d, val R@1 %.4f -> %s", session.name, summary["best"]["trial"],
              summary["best"]["value"], base.tune.output)
     log.info("%s", summary["memory_verdict"])
+    if "batch_verdict" in summary:
+        log.info("%s", summary["batch_verdict"])
     return summary
 
 

@@ -15,7 +15,7 @@ import yaml
 from optuna.trial import FrozenTrial, TrialState
 
 from xbn.config import Params
-from xbn.tuning.space import LAMBDA, SearchSpace, yaml_scalar
+from xbn.tuning.space import BATCH_KEY, LAMBDA, Dimension, SearchSpace, yaml_scalar
 from xbn.tuning.study import BASELINE_ATTR, ERROR_ATTR, OBJECTIVE, WORKER_ATTR, StudySession
 from xbn.utils.io import atomic_path, write_text
 
@@ -44,14 +44,43 @@ def summarize(session: StudySession, space: SearchSpace, base: Params) -> dict[s
                    if t.state == TrialState.FAIL},
         "importances": importances(study),
         "memory_verdict": memory_verdict(complete, base),
+        **({"batch_verdict": batch_verdict(complete, base, space.dims[BATCH_KEY])} if BATCH_KEY in space.dims
+           else {}),
     }
+
+
+def _method(t: FrozenTrial, base: Params) -> str:
+    return t.params.get("memory.method", base.memory.method)
+
+
+def batch_verdict(complete: list[FrozenTrial], base: Params, batch: Dimension) -> str:
+    """One sentence for a study that samples train.batch_size (tune.max_batch_size): does a memory at a smaller
+    batch beat no memory at the largest batch in the space (the most a device without a memory can do)?"""
+    largest = max(batch.choices) if batch.type == "categorical" else batch.high
+
+    def size(t: FrozenTrial) -> int:
+        return t.params.get(BATCH_KEY, base.train.batch_size)
+
+    without = max((t for t in complete if _method(t, base) == "none" and size(t) == largest),
+                  key=lambda t: t.value, default=None)
+    smaller = max((t for t in complete if _method(t, base) != "none" and size(t) < largest),
+                  key=lambda t: t.value, default=None)
+    if without is None or smaller is None:
+        missing = (f"without a memory at batch {largest:g}" if without is None
+                   else f"with a memory at a batch below {largest:g}")
+        return f"No complete trial {missing}: run more trials to compare a memory at a small batch with none."
+    a, b = smaller.value, without.value
+    verdict = "beats" if a > b else "does not beat" if a < b else "ties"
+    return (f"A memory at batch {size(smaller)} ({_method(smaller, base)}, #{smaller.number}: {OBJECTIVE} {a:.4f}) "
+            f"{verdict} no memory at batch {largest:g} (#{without.number}: {b:.4f}; {a - b:+.4f}, one trial each, "
+            "so a small difference may be noise).")
 
 
 def memory_verdict(complete: list[FrozenTrial], base: Params) -> str:
     """One sentence: does a memory help on this data? The best complete trial with a memory against the best
     without one (`memory.method` is in the default space, with `none` among its choices)."""
     def method(t: FrozenTrial) -> str:
-        return t.params.get("memory.method", base.memory.method)
+        return _method(t, base)
 
     without = max((t for t in complete if method(t) == "none"), key=lambda t: t.value, default=None)
     with_memory = max((t for t in complete if method(t) != "none"), key=lambda t: t.value, default=None)

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from xbn.config import LAMBDA_KEY, ConfigError, Params, TuneConfig, flatten, load_params
+from xbn.config import BATCH_KEY, LAMBDA_KEY, ConfigError, Params, TuneConfig, flatten, load_params
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +35,32 @@ def as_overrides(values: Mapping[str, Any]) -> list[str]:
     return [f"{key}={yaml_scalar(value)}" for key, value in values.items()]
 
 
+def batch_ladder(max_batch_size: int, samples_per_class: int) -> list[int]:
+    """The batch sizes a study with `tune.max_batch_size` tries: 4, 8, 16, ... classes a batch (doubling, the
+    grid of issue 30) and the largest whole number of classes that fits, which is the baseline to beat with a
+    memory at a smaller batch."""
+    largest = max_batch_size // samples_per_class * samples_per_class
+    if largest < 4 * samples_per_class:
+        raise ConfigError(f"tune.max_batch_size: {max_batch_size} holds fewer than 4 classes of "
+                          f"train.samples_per_class ({samples_per_class}); a batch needs at least "
+                          f"{4 * samples_per_class}")
+    ladder = [4 * samples_per_class * 2 ** i for i in range(32) if 4 * samples_per_class * 2 ** i < largest]
+    return ladder + [largest]
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     dims: dict[str, Dimension]  # Optuna parameter name -> dimension
     lambda_mode: bool = False
 
     @classmethod
-    def from_config(cls, cfg: TuneConfig) -> SearchSpace:
+    def from_config(cls, cfg: TuneConfig, samples_per_class: int | None = None) -> SearchSpace:
         dims = dict(cfg.space)
+        if cfg.max_batch_size is not None and BATCH_KEY not in dims:
+            if samples_per_class is None:
+                raise ValueError("tune.max_batch_size needs train.samples_per_class to build the batch ladder")
+            dims[BATCH_KEY] = Dimension(type="categorical",
+                                        choices=batch_ladder(cfg.max_batch_size, samples_per_class))
         if cfg.lambda_mode and LAMBDA not in dims and "memory.kalman.r" in dims:
             r, q = dims.pop("memory.kalman.r"), dims.pop("memory.kalman.q")
             ratio = Dimension(type="float", low=r.low / q.high, high=r.high / q.low, log=r.log or q.log)

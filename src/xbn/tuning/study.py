@@ -48,7 +48,7 @@ FINGERPRINT_ATTR, MLFLOW_RUN_ATTR = "xbn.fingerprint", "xbn.mlflow_run_id"
 # Keys that change how fast or where a trial runs, not what it scores: a study survives changes to them.
 _NOT_SCORED = ("tracking", "registry", "validate", "eval", "data.num_workers", "train.device",
                "train.log_every", "train.checkpoint_dir", "train.metrics_dir")
-_SCORED_TUNE = ("space", "lambda_mode", "epochs")
+_SCORED_TUNE = ("space", "lambda_mode", "epochs", "max_batch_size")
 
 
 def worker_id() -> str:
