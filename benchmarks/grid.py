@@ -3,6 +3,8 @@ Omniglot (seed 000's Table 2 / Figure 1 form), within a CPU budget.
 
     python -m benchmarks grid [--datasets glyphs omniglot] [--batches 16 64] [--seeds 0 1 2] [--workers 2]
     python -m benchmarks grid --quick          (2 methods, 1 seed, 1 epoch: checks the machinery)
+    python -m benchmarks grid --datasets omniglot64 glyphs64 --methods none xbm xbn axbn --batches 16 32 64 \
+        --output grid_scale [--resume]         (issue 30: a user's scale, many classes against a small batch)
     python -m benchmarks grid --regime roth|memvir|mpn|refine [--quick]   (a seed method in its paper's regime:
                                                                  benchmarks/regimes.py)
 
@@ -67,8 +69,22 @@ DATASETS: dict[str, dict[str, int]] = {
     "default": {},
     "glyphs": {"classes": 240, "images_per_class": 6, "image_size": 32},
     "omniglot": {"train_classes": 120, "test_classes": 100, "images_per_class": 10, "image_size": 32},
+    # Issue 30, a user's scale: many classes against a small batch. Omniglot at 64 px, 360 of the 700 training
+    # characters (306 train + 54 val), all 264 test characters, all 20 drawings; the glyphs at the shipped
+    # 600 classes x 6 at 64 px for comparison. Both with the shipped lr step and 1 warm-up + 4 epochs, the
+    # protocol the issue measured (`--datasets omniglot64 glyphs64 --batches 16 32 64 --output grid_scale`).
+    "omniglot64": {"train_classes": 360, "test_classes": 264, "images_per_class": 20, "image_size": 64,
+                   "warmup_epochs": 1, "epochs": 4, "lr_step_epochs": 4},
+    "glyphs64": {"classes": 600, "images_per_class": 6, "image_size": 64,
+                 "warmup_epochs": 1, "epochs": 4, "lr_step_epochs": 4},
 }
 SCALE = {"warmup_epochs": 1, "epochs": 8, "lr_step_epochs": 3, "val_classes": 0.15}
+SCALE_METHODS = ("none", "xbm", "xbn", "axbn")  # issue 30's grid
+
+
+def scale_of(dataset: str) -> dict[str, Any]:
+    """The schedule a dataset runs: SCALE, less what its DATASETS entry sets itself."""
+    return {**SCALE, **{k: v for k, v in DATASETS[dataset].items() if k in SCALE}}
 
 QUICK = {"methods": ["none", "xbn"], "batches": [16], "seeds": [0], "datasets": ["glyphs"], "output": "grid_quick"}
 
@@ -93,7 +109,7 @@ def prepare(dataset: str, work: Path) -> tuple[list[str], dict[str, Any]]:
         frame = carve_validation(read_dataset("glyphs", root), d.val_classes, seed=d.split_seed)
         write_manifest(frame, manifest)
         return [f"data.root={root}", f"data.manifest={manifest}"], {"spec": spec, "splits": _counts(frame)}
-    if dataset == "glyphs":
+    if dataset.startswith("glyphs"):
         from xbn.data.glyphs import generate_glyphs
 
         root = generate_glyphs(CACHE / f"glyphs-{spec['classes']}-{spec['images_per_class']}-{spec['image_size']}",
@@ -111,12 +127,13 @@ def prepare(dataset: str, work: Path) -> tuple[list[str], dict[str, Any]]:
         write_labels(root, labels, spec["train_classes"], spec["test_classes"], spec["images_per_class"])
         frame = read_dataset("csv", root, labels_file=labels)
         data = ["data.dataset=csv", f"data.root={root}", f"data.labels_file={labels}"]
-    frame = carve_validation(frame, SCALE["val_classes"], seed=0)
+    scale = scale_of(dataset)
+    frame = carve_validation(frame, scale["val_classes"], seed=0)
     write_manifest(frame, manifest)
     data += [f"data.manifest={manifest}", f"data.image_size={spec['image_size']}",
-             f"data.val_classes={SCALE['val_classes']}", "validate.check_published_counts=false",
-             f"train.epochs={SCALE['epochs']}", f"train.warmup_epochs={SCALE['warmup_epochs']}",
-             f"train.lr_step_epochs={SCALE['lr_step_epochs']}"]
+             f"data.val_classes={scale['val_classes']}", "validate.check_published_counts=false",
+             f"train.epochs={scale['epochs']}", f"train.warmup_epochs={scale['warmup_epochs']}",
+             f"train.lr_step_epochs={scale['lr_step_epochs']}"]
     return data, {"spec": spec, "splits": _counts(frame)}
 
 
@@ -313,7 +330,8 @@ def main(argv: list[str]) -> int:
                                                      "threads", "regime", "quick")},
                      "regime": {"about": regime.about, "methods": {m: table[m] for m in args.methods}}
                      if regime else None,
-                     "scale": SCALE, "datasets_spec": {d: DATASETS[d] for d in args.datasets},
+                     "scale": SCALE, "scales": {d: scale_of(d) for d in args.datasets},
+                     "datasets_spec": {d: DATASETS[d] for d in args.datasets},
                      "backbone": "tf_efficientnet_lite0 (offline ImageNet weights), memory.size=1.0"},
         "data": dict(old.get("data", {})), "table": [],
         "runs": [{"git_commit": old.get("machine", {}).get("git_commit"), **r} for r in old.get("runs", [])

@@ -386,7 +386,25 @@ def batch_verdict(data: dict[str, Any], dataset: str) -> str | None:
     return ("- Memory vs batch size: " + "; ".join(parts) + ".") if parts else None
 
 
-def grid_section(data: dict[str, Any]) -> str:
+def batch_to_match(data: dict[str, Any], dataset: str, method: str = "axbn", small: int = 16) -> str | None:
+    """Issue 30: the batch at which `none` reaches (mean test R@1) what `method` reaches at batch `small`."""
+    table = {(r["method"], r["batch"]): r for r in data["table"] if r["dataset"] == dataset}
+    if (method, small) not in table:
+        return None
+    target = table[method, small]["recall@1"]
+    nones = sorted((b, r["recall@1"]) for (m, b), r in table.items() if m == "none")
+    if not nones:
+        return None
+    reached = next(((b, v) for b, v in nones if v >= target), None)
+    largest, value = nones[-1]
+    if reached is None:
+        return (f"- `none` does not reach {method}'s test R@1 at batch {small} ({target:.4f}) at any batch measured: "
+                f"at batch {largest} it has {value:.4f} (means over seeds).")
+    return (f"- `none` first reaches {method}'s test R@1 at batch {small} ({target:.4f}) at batch {reached[0]} "
+            f"({reached[1]:.4f}; means over seeds).")
+
+
+def grid_section(data: dict[str, Any], title: str = "## 6. Memory methods over seeds (glyphs and Omniglot)") -> str:
     from benchmarks.grid import render
 
     s = data["settings"]
@@ -394,7 +412,7 @@ def grid_section(data: dict[str, Any]) -> str:
     failed = [r for r in data["runs"] if "error" in r]
     loads = [r["loadavg_before"] for r in done] + [r["loadavg_after"] for r in done]
     commits = sorted({r.get("git_commit") or data["machine"].get("git_commit") for r in done}, key=str)
-    out = ["## 6. Memory methods over seeds (glyphs and Omniglot)", "", _header(data, [str(c) for c in commits]), "",
+    out = [title, "", _header(data, [str(c) for c in commits]), "",
            "Commands that added runs: " + "; ".join(f"`{c}`" for c in data.get("commands", [data["command"]]))
            + f" (runs at commits {', '.join(str(c)[:7] for c in commits)}).", "",
            f"{len(done)} runs finished" + (f", {len(failed)} failed" if failed else "")
@@ -403,20 +421,23 @@ def grid_section(data: dict[str, Any]) -> str:
            f"{s['workers']} worker(s) x {s['threads']} torch thread(s); load average during the runs "
            + (f"{min(loads)} to {max(loads)}." if loads else "not recorded."), "",
            f"Every run: the shipped params.yaml plus the method's override, memory.size = 1.0 (the training set), "
-           f"{s['scale']['warmup_epochs']} head warm-up + {s['scale']['epochs']} epochs, lr x0.33 every "
-           f"{s['scale']['lr_step_epochs']} epochs; the memory joins after the warm-up and turns over once an epoch. "
+           "the schedule given per dataset below (head warm-up epochs + epochs, lr x0.33 at each step); the memory "
+           "joins after the warm-up and turns over once an epoch. "
            "Test = leave-one-out on the test classes; val = the class-disjoint validation split, best epoch. "
            "± is the sample std over seeds.", ""]
     for dataset, info in data.get("data", {}).items():
         if not any(r["dataset"] == dataset for r in data["table"]):
             continue
         spec, splits = info["spec"], info["splits"]
+        scale = s.get("scales", {}).get(dataset, s["scale"])
         out += [f"### {dataset}", "",
                 f"{spec['image_size']} px; train {splits['train']['classes']} classes / {splits['train']['images']} "
                 f"images, val {splits['val']['classes']} / {splits['val']['images']}, test "
-                f"{splits['test']['classes']} / {splits['test']['images']}.", "",
+                f"{splits['test']['classes']} / {splits['test']['images']}; {scale['warmup_epochs']} warm-up + "
+                f"{scale['epochs']} epochs, lr step every {scale['lr_step_epochs']}.", "",
                 render(data, dataset), "", *grid_verdicts(data, dataset),
-                *([v] if (v := batch_verdict(data, dataset)) else []), ""]
+                *([v] if (v := batch_verdict(data, dataset)) else []),
+                *([v] if (v := batch_to_match(data, dataset)) else []), ""]
     if choice := default_choice(data):
         out += [choice, ""]
     png = DOCS / f"{data['_file'].rsplit('/', 1)[-1][:-5]}_recall.png"
@@ -523,6 +544,8 @@ def main(argv: list[str] | None = None) -> Path:
                           ("methods", methods_section)):
         if data := _load(name):
             parts.append(section(data))
+    if data := _load("grid_scale"):  # issue 30: the memory at a user's scale, batch 16 to 64
+        parts.append(grid_section(data, "## 6b. Where the memory matters: many classes, batch 16 to 64"))
     for name in ("serving", "serving_quick", "serving_hostile"):  # after methods: section 8
         if data := _load(name):
             text, found = serving_section(data)

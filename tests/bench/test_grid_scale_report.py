@@ -1,0 +1,50 @@
+"""Issue 30's section (the memory at a user's scale, batch 16 to 64): generated from the runs, each memory
+method judged against `none` per batch by its paired 95% interval, and the batch at which `none` catches up
+with axbn at batch 16 computed from the table's means."""
+
+from __future__ import annotations
+
+import statistics
+
+from benchmarks import report
+from benchmarks.grid import aggregate, scale_of
+
+from bench.test_report import PROVENANCE, _unexplained
+
+R1 = {("none", 16): [0.70, 0.72, 0.71], ("axbn", 16): [0.74, 0.75, 0.745],
+      ("none", 32): [0.73, 0.735, 0.725], ("axbn", 32): [0.75, 0.74, 0.76],
+      ("none", 64): [0.75, 0.745, 0.755], ("axbn", 64): [0.76, 0.75, 0.755]}
+
+
+def _data(r1):
+    runs = [{"dataset": "omniglot64", "method": m, "batch": b, "seed": s, "recall@1": v, "map@r": v / 2,
+             "val_recall@1": v + 0.1, "train_s": 200.0, "loadavg_before": 0.4, "loadavg_after": 1.1,
+             "git_commit": PROVENANCE["git_commit"]} for (m, b), values in r1.items() for s, v in enumerate(values)]
+    return {"_file": "benchmarks/results/grid_scale.json", "command": "python -m benchmarks grid --datasets "
+            "omniglot64", "provenance": PROVENANCE, "machine": {"git_commit": PROVENANCE["git_commit"]},
+            "settings": {"workers": 2, "threads": 1, "scale": scale_of("glyphs"),
+                         "scales": {"omniglot64": scale_of("omniglot64")}},
+            "data": {"omniglot64": {"spec": {"image_size": 64}, "splits": {
+                "train": {"classes": 306, "images": 6120}, "val": {"classes": 54, "images": 1080},
+                "test": {"classes": 264, "images": 5280}}}},
+            "runs": runs, "table": aggregate(runs)}
+
+
+def test_the_scale_section_judges_each_batch_and_says_where_none_catches_up():
+    data = _data(R1)
+    text = report.grid_section(data, "## 6b. Where the memory matters")
+    assert "1 warm-up + 4 epochs, lr step every 4" in text
+    axbn16 = statistics.mean(R1["axbn", 16])
+    assert f"- `none` first reaches axbn's test R@1 at batch 16 ({axbn16:.4f}) at batch 64 (0.7500" in text
+    d16 = report.paired_difference(data["runs"], "omniglot64", 16, "axbn", "none")
+    assert d16["low"] > 0 and "Better than `none` beyond the seed spread" in text
+    derived = [v for b in (16, 32, 64) if (d := report.paired_difference(data["runs"], "omniglot64", b, "axbn",
+                                                                          "none")) for v in d.values()]
+    assert _unexplained(text, {**data, "derived": [*derived, len(data["runs"])], "confidence": 95}) == []
+
+
+def test_none_that_never_catches_up_is_said_with_its_best():
+    r1 = {**R1, ("none", 64): [0.70, 0.71, 0.72]}
+    text = report.batch_to_match(_data(r1), "omniglot64")
+    assert text.startswith("- `none` does not reach axbn's test R@1 at batch 16") and "batch 64 it has 0.7100" in text
+    assert report.batch_to_match(_data({("none", 16): [0.7, 0.7]}), "omniglot64") is None  # no axbn at 16
