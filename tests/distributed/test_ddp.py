@@ -3,8 +3,6 @@ batches."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -95,18 +93,12 @@ def test_ddp_loss_and_memory_equal_single_process(tiny_params, glyph_root, tmp_p
     assert Path("ddp_models/model.pt").exists() and Path("ddp_metrics/train.json").exists()
 
 
-def test_cli_nproc_launches_torchrun(tiny_params, glyph_root, tmp_path):
-    prepare(tiny_params())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    sets = [f"--set={o}" for o in [*TINY, f"data.root={glyph_root}", "train.epochs=1"]]
-    done = subprocess.run([sys.executable, "-m", "xbn.cli", "train", "--nproc", "2",
-                           "--params", str(ROOT / "params.yaml"), *sets],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout)  # printed once, by rank 0
+def test_cli_nproc_launches_torchrun(torchrun_runs):
+    base, stdout = torchrun_runs  # `xbn train --nproc 2` in base/single
+    summary = json.loads(stdout["single"])  # printed once, by rank 0
     assert summary["epochs"] == 2 and summary["iterations"] == 4
-    assert json.loads(Path("metrics/train.json").read_text())["iterations"] == 4
-    assert Path("models/model.pt").exists() and Path("models/last.pt").exists()
+    assert json.loads((base / "single/metrics/train.json").read_text())["iterations"] == 4
+    assert (base / "single/models/model.pt").exists() and (base / "single/models/last.pt").exists()
 
 
 def test_ddp_keeps_the_mpn_weights_identical_on_every_rank(tiny_params, glyph_root, tmp_path):
