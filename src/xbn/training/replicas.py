@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 # What the training depends on (dvc.yaml's train params), less what a node may set for itself: where its copy
 # of the files lies and how many loader processes read them. The manifest's content is compared instead.
 SHARED_SECTIONS = ("data.", "model.", "memory.", "loss.", "train.")
-NODE_LOCAL_KEYS = {"data.root", "data.manifest", "data.num_workers", "train.checkpoint_dir", "train.metrics_dir"}
+NODE_LOCAL_KEYS = {"data.root", "data.manifest", "data.num_workers",
+                   "train.checkpoint_dir", "train.metrics_dir"}
 
 
 def rank_facts(params: Params, resume: bool) -> dict:
@@ -41,8 +42,8 @@ def rank_facts(params: Params, resume: bool) -> dict:
     resuming) of last.pt, None where the file is missing."""
     record = json.loads(json.dumps(flatten(params), sort_keys=True, default=str))
     manifest, last = Path(params.data.manifest), Path(params.train.checkpoint_dir) / "last.pt"
-    return {"host": socket.gethostname(),
-            "params": {k: v for k, v in record.items() if k.startswith(SHARED_SECTIONS) and k not in NODE_LOCAL_KEYS},
+    shared = {k: v for k, v in record.items() if k.startswith(SHARED_SECTIONS) and k not in NODE_LOCAL_KEYS}
+    return {"host": socket.gethostname(), "params": shared,
             "manifest": (str(manifest), file_digest(manifest) if manifest.is_file() else None),
             "last": (str(last), file_digest(last) if resume and last.is_file() else None)}
 
@@ -75,17 +76,17 @@ def disagreement(facts: list[dict]) -> ConfigError | DatasetError | None:
             shown = "; ".join(f"{k}: {first['params'].get(k)!r} on {who(0)}, {mine['params'].get(k)!r} on "
                               f"{who(rank)}" for k in differ[:6]) + (f" (and {len(differ) - 6} more)"
                                                                       if len(differ) > 6 else "")
-            return ConfigError(f"the nodes train with other params: {shown}; run every node with the same params "
-                               "file and --set values")
+            return ConfigError(f"the nodes train with other params: {shown}; run every node with the same "
+                               "params file and --set values")
         if mine["manifest"][1] != first["manifest"][1]:
             return DatasetError(
-                f"data.manifest differs between the nodes: {file(0, 'manifest')}, {file(rank, 'manifest')}; every "
-                "node must train on the same data: put data.root and the manifest on a shared filesystem (or copy "
-                "them unchanged to every node)")
+                f"data.manifest differs between the nodes: {file(0, 'manifest')}, {file(rank, 'manifest')}; "
+                "every node must train on the same data: put data.root and the manifest on a shared filesystem "
+                "(or copy them unchanged to every node)")
         if mine["last"][1] != first["last"][1]:
             return ConfigError(
-                f"--resume: last.pt differs between the nodes: {file(0, 'last')}, {file(rank, 'last')}; every rank "
-                "must resume from the same checkpoint: put train.checkpoint_dir on a shared filesystem")
+                f"--resume: last.pt differs between the nodes: {file(0, 'last')}, {file(rank, 'last')}; every "
+                "rank must resume from the same checkpoint: put train.checkpoint_dir on a shared filesystem")
     return None
 
 
@@ -115,8 +116,8 @@ def compare_replicas(model: nn.Module, memory: nn.Module | None) -> dict | None:
         {"host": socket.gethostname(), "weights": state_digest(dict(model.named_parameters())),
          "memory": state_digest(memory.state_dict()) if memory is not None else None}))
     if not report["identical"] and distributed.is_main():
-        log.warning("the ranks' weights or memory differ: DDP should keep them identical, so this run does not "
-                    "equal a single-process one (%s)", json.dumps(report))
+        log.warning("the ranks' weights or memory differ: DDP should keep them identical, so this run does "
+                    "not equal a single-process one (%s)", json.dumps(report))
     return report
 
 
@@ -128,4 +129,5 @@ def replica_report(ranks: list[dict]) -> dict:
             "memory_sha256": memory, "identical": len(set(weights)) == 1 and len(set(memory)) == 1}
 
 
-__all__ = ["check_ranks_agree", "compare_replicas", "disagreement", "rank_facts", "replica_report", "state_digest"]
+__all__ = ["check_ranks_agree", "compare_replicas", "disagreement", "rank_facts", "replica_report",
+           "state_digest"]
