@@ -1,7 +1,7 @@
 """The torchrun launches that tests/distributed shares: `xbn train --nproc 2` on one node, and
 `xbn train --nnodes 2` as two "nodes" on 127.0.0.1 (1 process each, gloo, c10d rendezvous), all started at once
 on the same data and params (each torchrun launch starts 3 processes that import torch: sharing them keeps the
-suite fast)."""
+suite fast; their tests share the xdist group `torchrun`, so that `make test`'s workers launch them once)."""
 
 from __future__ import annotations
 

@@ -93,6 +93,7 @@ def test_ddp_loss_and_memory_equal_single_process(tiny_params, glyph_root, tmp_p
     assert Path("ddp_models/model.pt").exists() and Path("ddp_metrics/train.json").exists()
 
 
+@pytest.mark.xdist_group("torchrun")  # one worker launches `torchrun_runs` for both of its tests
 def test_cli_nproc_launches_torchrun(torchrun_runs):
     base, stdout = torchrun_runs  # `xbn train --nproc 2` in base/single
     summary = json.loads(stdout["single"])  # printed once, by rank 0

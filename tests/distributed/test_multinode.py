@@ -13,6 +13,7 @@ from xbn.cli import EXIT_CONFIG, main
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.xdist_group("torchrun")  # one worker launches `torchrun_runs` for both of its tests
 def test_two_nodes_train_as_one_machine_with_two_processes(torchrun_runs):
     base, stdout = torchrun_runs
     # torchrun's c10d rendezvous numbers the nodes itself: the global rank 0 is on one of them, and it alone
