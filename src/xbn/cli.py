@@ -103,8 +103,9 @@ def _stage_train(params: Params, args) -> dict:
     if nproc > 1 or nodes is not None:
         from xbn.utils.distributed import launch
 
-        # torchrun (torch.distributed.run) starts this same command N times on this machine, each with its
-        # RANK and WORLD_SIZE; rank 0 prints the summary, so this process only passes on the exit status.
+        # torchrun (torch.distributed.run) starts this same command N times on this machine (and on each of
+        # --nnodes machines), each with its RANK and WORLD_SIZE; the global rank 0 prints the summary, so this
+        # process only passes on the exit status.
         forwarded = ["train", "--params", args.params, *(f"--set={o}" for o in args.overrides),
                      *(["--resume"] if args.resume else []), *(["--quiet"] if args.quiet else []),
                      *(["--verbose"] if args.verbose else [])]
