@@ -99,19 +99,45 @@ def _stage_prepare(params: Params, args) -> dict:
 
 
 def _stage_train(params: Params, args) -> dict:
-    nproc = getattr(args, "nproc", 1)  # `xbn run` trains in one process
-    if nproc > 1:
+    nproc, nodes = getattr(args, "nproc", 1), getattr(args, "nodes", None)  # `xbn run` trains in one process
+    if nproc > 1 or nodes is not None:
         from xbn.utils.distributed import launch
 
-        # torchrun (torch.distributed.run) starts this same command N times on this machine, each with its
-        # RANK and WORLD_SIZE; rank 0 prints the summary, so this process only passes on the exit status.
+        # torchrun (torch.distributed.run) starts this same command N times on this machine (and on each of
+        # --nnodes machines), each with its RANK and WORLD_SIZE; the global rank 0 prints the summary, so this
+        # process only passes on the exit status.
         forwarded = ["train", "--params", args.params, *(f"--set={o}" for o in args.overrides),
                      *(["--resume"] if args.resume else []), *(["--quiet"] if args.quiet else []),
                      *(["--verbose"] if args.verbose else [])]
-        raise SystemExit(launch(nproc, "xbn.cli", forwarded))
+        raise SystemExit(launch(nproc, "xbn.cli", forwarded, nodes))
     from xbn.stages.train import train
 
     return train(params, resume=args.resume, progress=not args.quiet, params_file=args.params)
+
+
+def _train_nodes(args):
+    """The `Nodes` of `xbn train --nnodes N --node-rank R --rdzv-endpoint HOST:PORT`, or None on one machine;
+    a ConfigError naming the flag when they do not fit together."""
+    from xbn.utils.distributed import Nodes
+
+    several = args.nnodes > 1
+    if not several:
+        given = [flag for flag, value in (("--node-rank", args.node_rank), ("--rdzv-endpoint", args.rdzv_endpoint),
+                                          ("--rdzv-id", args.rdzv_id)) if value is not None]
+        if given:  # a forgotten --nnodes would otherwise train alone on this machine
+            raise ConfigError(f"{' and '.join(given)} join a run on several machines: give --nnodes N (N > 1) "
+                              "too, or drop them to train on this machine only")
+        return None
+    if args.rdzv_endpoint is None:
+        raise ConfigError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT: the address of node 0 "
+                          "(--node-rank 0), where the others meet it")
+    if args.node_rank is None:
+        raise ConfigError(f"--nnodes {args.nnodes} needs --node-rank R (0 to {args.nnodes - 1}): this machine's "
+                          "index, 0 on the machine at --rdzv-endpoint")
+    if args.node_rank >= args.nnodes:
+        raise ConfigError(f"--node-rank {args.node_rank} is out of range for --nnodes {args.nnodes} "
+                          f"(0 to {args.nnodes - 1})")
+    return Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id or "xbn-train")
 
 
 def _stage_refine(params: Params, args) -> dict:
@@ -187,7 +213,8 @@ def _recorded(stage: str, fn, params: Params, args):
     starts and marked done or failed after; only the main process of a distributed run writes."""
     from xbn.config.record import write_record
 
-    main = os.environ.get("RANK") in (None, "0")
+    # Not the launcher of a node other than 0 either: on a shared folder it would write the same record.
+    main = os.environ.get("RANK") in (None, "0") and getattr(args, "node_rank", None) in (None, 0)
     if main:
         write_record(params, stage, "running", args.params, args.overrides)
     try:
@@ -234,6 +261,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _endpoint(text: str) -> str:
+    from xbn.utils.distributed import parse_endpoint
+
+    try:
+        parse_endpoint(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
@@ -265,6 +309,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
                        help="data-parallel processes on this machine, launched with torchrun (one GPU "
                             "each on CUDA); train.batch_size stays the global batch")
+    nodes = train.add_argument_group(
+        "several machines", "run the same command on each machine, --node-rank 0 on the one at --rdzv-endpoint; "
+        "data and train.checkpoint_dir on a shared filesystem (README: Training on several machines)")
+    nodes.add_argument("--nnodes", type=_positive_int, default=1, metavar="N",
+                       help="machines taking part, each running --nproc processes (torchrun's c10d rendezvous)")
+    nodes.add_argument("--node-rank", type=_non_negative_int, default=None, metavar="R",
+                       help="this machine's index, 0 to N-1; node 0 hosts the rendezvous")
+    nodes.add_argument("--rdzv-endpoint", type=_endpoint, default=None, metavar="HOST:PORT",
+                       help="node 0's address and a free port there, reachable from every node")
+    nodes.add_argument("--rdzv-id", default=None, metavar="ID",
+                       help="the job's name at the rendezvous, the same on every node (default: xbn-train)")
     train.set_defaults(fn=_stage_train)
     sub.add_parser("refine", parents=[common],
                    help="train the neighbourhood-context refiner on the frozen embeddings (refine.enabled)"
@@ -387,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "init":
         return _init(args)
     try:
+        if args.command == "train":
+            args.nodes = _train_nodes(args)
         if args.command in RECORD_READERS:  # the run's own params, not only the params file's
             from xbn.config.record import resolve_params
 

@@ -1,10 +1,8 @@
 """Data-parallel training on 2 CPU processes (gloo) equals the single-process run on the same global
-batches."""
+batches. `xbn train --nproc 2` (torchrun) is launched in test_multinode.py, beside the two-node run."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -93,20 +91,6 @@ def test_ddp_loss_and_memory_equal_single_process(tiny_params, glyph_root, tmp_p
     assert_states_equal(ranks[0]["model"], ranks[1]["model"], rtol=0, atol=0)
     assert (ranks[0]["logged_steps"], ranks[1]["logged_steps"]) == (6, 0)
     assert Path("ddp_models/model.pt").exists() and Path("ddp_metrics/train.json").exists()
-
-
-def test_cli_nproc_launches_torchrun(tiny_params, glyph_root, tmp_path):
-    prepare(tiny_params())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    sets = [f"--set={o}" for o in [*TINY, f"data.root={glyph_root}", "train.epochs=1"]]
-    done = subprocess.run([sys.executable, "-m", "xbn.cli", "train", "--nproc", "2",
-                           "--params", str(ROOT / "params.yaml"), *sets],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout)  # printed once, by rank 0
-    assert summary["epochs"] == 2 and summary["iterations"] == 4
-    assert json.loads(Path("metrics/train.json").read_text())["iterations"] == 4
-    assert Path("models/model.pt").exists() and Path("models/last.pt").exists()
 
 
 def test_ddp_keeps_the_mpn_weights_identical_on_every_rank(tiny_params, glyph_root, tmp_path):

@@ -1,19 +1,22 @@
 """Stage `train`: the training loop (`xbn.training.fit`), tracked as the pipeline's MLflow run.
 
-Under torchrun (`xbn train --nproc N` starts `python -m xbn.cli train` N times) every process joins the
-process group here and trains its slice of each global batch; rank 0 alone tracks the run in MLflow, writes the
-checkpoints and metrics and returns the summary, the other ranks run the bare loop whose collectives pair with
-rank 0's.
+Under torchrun (`xbn train --nproc N` starts `python -m xbn.cli train` N times; `--nnodes M` on each of M
+machines) every process joins the process group here, checks that it trains from the same params, manifest
+and checkpoint as rank 0 (`check_ranks_agree`), and trains its slice of each global batch; the global rank 0
+alone tracks the run in MLflow, writes the checkpoints and metrics (the DVC outputs) and returns the summary,
+the other ranks run the bare loop whose collectives pair with rank 0's.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 from pathlib import Path
 
 from xbn.config import ConfigError, Params
 from xbn.models import InitialWeights
 from xbn.training import EpochCallback, fit
+from xbn.training.replicas import check_ranks_agree
 from xbn.utils import distributed
 from xbn.utils.runtime import resolve_device
 
@@ -24,6 +27,11 @@ def train(params: Params, resume: bool = False, progress: bool = True, params_fi
           on_epoch: EpochCallback | None = None, flow_run_id: str | None = None) -> dict:
     """`flow_run_id`: the retrain flow run calling (recorded in the checkpoint; see `Trainer`)."""
     with distributed.process_group(resolve_device(params.train.device).type):
+        check_ranks_agree(params, resume)
+        if distributed.world_size() > 1 and distributed.is_main():
+            log.info("rank 0 of %d, on %s, writes %s and %s%s", distributed.world_size(), socket.gethostname(),
+                     params.train.checkpoint_dir, params.train.metrics_dir,
+                     " and tracks the MLflow run" if params.tracking.enabled else "")
         # A resumed fine-tuning continues from last.pt, which records where its weights started.
         init = None if resume else initial_weights(params)
         if not distributed.is_main():

@@ -12,7 +12,8 @@ process; the model is wrapped in DistributedDataParallel and the criterion gathe
 loss, the memory and the gradient equal the single-process run's. BatchNorm is frozen by default
 (`model.freeze_bn`), so batch statistics never enter and no SyncBatchNorm is needed. Validation, checkpoints,
 metrics files and the epoch callback (tracking) happen on rank 0; its validation scores are broadcast, so
-every rank takes the same best-model decision, and the others wait at a barrier while rank 0 writes.
+every rank takes the same best-model decision, and the others wait at a barrier while rank 0 writes. After
+every epoch the ranks compare fingerprints of their weights and memory (`replicas`, in metrics/train.json).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from xbn.models.mpn import save_mpn
 from xbn.training.batches import RankBatchSampler, RequestedBatches, SeededSamples
 from xbn.training.diagnostics import FeatureDrift
 from xbn.training.memory_format import choose_channels_last
+from xbn.training.replicas import compare_replicas
 from xbn.utils.io import save_torch, write_csv, write_json
 from xbn.utils.runtime import resolve_device, seed_everything
 
@@ -205,6 +207,7 @@ class Trainer:
         self.epoch = 0  # epochs completed
         self.iteration = 0
         self.throughput = 0.0  # training images per second of the last epoch
+        self.replicas: dict | None = None  # the ranks' fingerprints after the last epoch (`compare_replicas`)
         self.net: nn.Module = self.model  # what the training step calls: the model or its DDP wrapper
         self.window_steps = self.window_zero_loss = 0  # `train.stall`'s window of steps
         self.optimizer, self.scheduler = self._optimizer_for(0)
@@ -390,6 +393,7 @@ class Trainer:
             best = score > self.history.best_score
             if best:
                 self.history.best_score, self.history.best_epoch = score, self.epoch
+            self.replicas = compare_replicas(self.model, self.criterion.memory)
             if self.is_main:
                 if best:
                     save_embedder(self.checkpoint_dir / "model.pt", self.model, self.params.model,
@@ -574,6 +578,7 @@ class Trainer:
             "channels_last": self.channels_last,  # and what chose it (train.channels_last, or auto's probe)
             **{k: v for k, v in self.memory_format.items() if k != "channels_last"},
             "warnings": list(self.history.warnings),
+            **({"replicas": self.replicas} if self.replicas else {}),
         }
 
     def _record_skipped(self, indices: list[int]) -> None:

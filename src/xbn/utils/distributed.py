@@ -1,5 +1,6 @@
 """Data-parallel helpers over `torch.distributed`: who this process is, the process group's lifetime, the
-collectives the training loop needs, and the `torchrun` launcher behind `xbn train --nproc N`.
+collectives the training loop needs, and the `torchrun` launcher behind `xbn train --nproc N` (one machine) and
+`xbn train --nnodes N --node-rank R --rdzv-endpoint HOST:PORT` (several, through torchrun's c10d rendezvous).
 
 Everything here is a no-op in a single process (no group initialised), so the same code runs both ways.
 """
@@ -11,6 +12,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
 
@@ -71,6 +73,15 @@ def broadcast_from_main(obj: T) -> T:
     return box[0]
 
 
+def gather_objects(obj: T) -> list[T]:
+    """Every rank's `obj` (picklable), in rank order, on every rank: `[obj]` in a single process."""
+    if world_size() == 1:
+        return [obj]
+    out: list = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
     """Every rank's `tensor` concatenated along dim 0 in rank order (rank 0's rows first on every rank), so
     all ranks hold the same global batch. This rank's slot is `tensor` itself, so autograd reaches its own
@@ -115,14 +126,43 @@ def scale_grad(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return _ScaleGrad.apply(tensor, factor)
 
 
-def torchrun_command(nproc: int, module: str, args: Sequence[str]) -> list[str]:
-    """`python -m torch.distributed.run --standalone --nproc-per-node N -m module args...`: one machine, a
-    free rendezvous port chosen by torchrun, the workers' RANK/LOCAL_RANK/WORLD_SIZE in their environment."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", module, *args]
+@dataclass(frozen=True)
+class Nodes:
+    """The machines of a multi-node run: `count` of them, this one's index `rank`, and torchrun's c10d
+    rendezvous at `endpoint` (HOST:PORT), which node 0 hosts; `run_id` names the job there (every node passes
+    the same)."""
+
+    count: int
+    rank: int
+    endpoint: str
+    run_id: str
 
 
-def launch(nproc: int, module: str, args: Sequence[str]) -> int:
-    """Run `module` in `nproc` processes with torchrun and return its exit status (non-zero if any worker
-    failed; torchrun then stops the others)."""
-    return subprocess.run(torchrun_command(nproc, module, args), check=False).returncode
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """(host, port) of `HOST:PORT` (`[v6-address]:PORT` too); ValueError saying what is wrong."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT with a port from 1 to 65535 (e.g. 10.0.0.1:29400)")
+    return host, int(port)
+
+
+def torchrun_command(nproc: int, module: str, args: Sequence[str], nodes: Nodes | None = None) -> list[str]:
+    """`python -m torch.distributed.run ... --nproc-per-node N -m module args...`, the workers' RANK/LOCAL_RANK/
+    WORLD_SIZE in their environment. One machine: `--standalone` (a free local port chosen by torchrun).
+    Several: the c10d rendezvous at `nodes.endpoint`, whose store node 0 hosts (`is_host`: no guessing from the
+    endpoint's name, which fails behind an alias and races when every node is 127.0.0.1). torchrun numbers the
+    nodes itself under c10d (it ignores --node-rank), so the global rank 0 that writes may be on any node."""
+    head = [sys.executable, "-m", "torch.distributed.run"]
+    if nodes is None:
+        head.append("--standalone")
+    else:
+        head += [f"--nnodes={nodes.count}", "--rdzv-backend=c10d", f"--rdzv-endpoint={nodes.endpoint}",
+                 f"--rdzv-id={nodes.run_id}", f"--rdzv-conf=is_host={str(nodes.rank == 0).lower()}"]
+    return [*head, f"--nproc-per-node={nproc}", "-m", module, *args]
+
+
+def launch(nproc: int, module: str, args: Sequence[str], nodes: Nodes | None = None) -> int:
+    """Run `module` in `nproc` processes (on each of `nodes`) with torchrun and return its exit status
+    (non-zero if any worker failed; torchrun then stops the others)."""
+    return subprocess.run(torchrun_command(nproc, module, args, nodes), check=False).returncode
