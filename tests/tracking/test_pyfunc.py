@@ -20,31 +20,10 @@ from xbn.serving.model import load_served_model
 from xbn.tracking import log_model, pipeline_run
 from xbn.tracking.pyfunc import EMBEDDING, ERROR, IMAGE, PATH
 
-from .helpers import write_model
+from .helpers import write_images, write_model
 
 # float32 on both sides (XBN_CPU_BF16=0); what may differ is the batch's composition and the memory format.
 PARITY = 1e-5
-
-
-def write_images(folder: Path) -> list[Path]:
-    """Real files of each kind a client sends: PNG (RGB, grey, RGBA with a transparent half), JPEG, WebP, of
-    sizes and aspect ratios other than the model's."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    pixels = rng.integers(0, 256, (45, 61, 3), dtype=np.uint8)
-    rgba = np.dstack([pixels, np.full((45, 61), 255, np.uint8)])
-    rgba[:, :30, 3] = 0  # transparent: composited on white, not the black stored under it
-    rgba[:, :30, :3] = 0
-    files = {
-        "rgb.png": Image.fromarray(pixels),
-        "grey.png": Image.fromarray(pixels[..., 0]),
-        "alpha.png": Image.fromarray(rgba, "RGBA"),
-        "photo.jpg": Image.fromarray(rng.integers(0, 256, (80, 50, 3), dtype=np.uint8)),
-        "tall.webp": Image.fromarray(rng.integers(0, 256, (120, 33, 3), dtype=np.uint8)),
-    }
-    for name, image in files.items():
-        image.save(folder / name)
-    return [folder / name for name in files]
 
 
 def xbn_embed(params, folder: Path, out: Path) -> dict[str, np.ndarray]:
