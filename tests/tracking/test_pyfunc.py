@@ -158,3 +158,25 @@ def test_the_onnx_file_and_its_json_embed_as_the_pyfunc(params, logged, tmp_path
     expected = np.array(out[EMBEDDING].tolist(), dtype=np.float32)
     assert np.abs(got - expected).max() <= 1e-5  # measured 1.2e-7: the same pixels, float32 both sides
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+def test_a_version_logged_with_the_tensor_signature_still_predicts_on_tensors(params):
+    # The logged code imports the installed xbn: a version registered before the image signature runs this
+    # class with its old MLmodel (a tensor signature, only the hash in model_config, the size in metadata).
+    from mlflow.models import ModelSignature
+    from mlflow.types import Schema, TensorSpec
+
+    from xbn.tracking import file_digest
+    from xbn.tracking.pyfunc import CHECKPOINT_ARTIFACT, CHECKPOINT_SHA256, MODEL_CODE
+
+    embedder = write_model(params, seed=2)
+    with pipeline_run(params, "train", new=True):
+        uri = mlflow.pyfunc.log_model(
+            name="old", python_model=str(MODEL_CODE), artifacts={CHECKPOINT_ARTIFACT: "models/model.pt"},
+            model_config={CHECKPOINT_SHA256: file_digest("models/model.pt")},
+            signature=ModelSignature(inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, 3, -1, -1))])),
+            metadata={"image_size": 32}, pip_requirements=["torch"]).model_uri
+    batch = np.random.default_rng(1).standard_normal((3, 3, 32, 32), dtype=np.float32)
+    with torch.no_grad():
+        expected = embedder(torch.from_numpy(batch)).numpy()
+    np.testing.assert_allclose(mlflow.pyfunc.load_model(uri).predict(batch), expected, rtol=1e-5, atol=1e-6)

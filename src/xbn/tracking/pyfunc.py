@@ -223,7 +223,8 @@ def input_example(image_size: int) -> pd.DataFrame:
 
 
 def model_config(params, checkpoint_sha256: str) -> dict[str, Any]:
-    """What the pyfunc reads at load time (see the module docstring), from `params`."""
+    """What the pyfunc reads at load time (see the module docstring), from `params`. Every key is recorded,
+None included: MLflow lets a load override only the keys a model was logged with."""
     return {
         CHECKPOINT_SHA256: checkpoint_sha256,
         IMAGE_SIZE: params.data.image_size,
