@@ -5,7 +5,9 @@ bytes of a JPEG, PNG, WebP, ... file; MLflow's JSON transport, `mlflow models se
 a string column `path` (a file on a filesystem the model can read; off unless the model is loaded with
 `model_config={"path_root": ...}`, see below), one image per row, and answers a DataFrame with the same rows:
 `embedding` (a list of floats, None for a row that failed) and `error` (None, or a message naming the row).
-A bad row never fails the others. The images are decoded, composited, resized and normalised by
+A bad row never fails the others (but over HTTP, MLflow decodes the base64 of the whole column before the model
+sees it: a request mixing rows with `image` and rows without it is refused by MLflow; send such rows in separate
+requests). The images are decoded, composited, resized and normalised by
 `xbn.evaluation.served`, the code `xbn embed` runs, in the inference mode `xbn embed` chooses.
 
 Callers that already preprocess (float32 [N, 3, S, S], normalised with the model's mean/std) use the second
