@@ -509,8 +509,12 @@ def bench_onnx(backbone: str, image_size: int, rounds: tuple[int, int], seed: in
         options.intra_op_num_threads = torch.get_num_threads()  # the same cores for both
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         for batch, n_rounds in zip((1, 64), rounds):
-            images = torch.randn(batch, 3, image_size, image_size, generator=torch.Generator().manual_seed(seed))
-            feed = {INPUT: images.numpy()}
+            # The graph takes uint8 pixels and normalises them itself; torch gets the same pixels normalised.
+            pixels = torch.randint(0, 256, (batch, image_size, image_size, 3), dtype=torch.uint8,
+                                   generator=torch.Generator().manual_seed(seed))
+            mean, std = (torch.tensor(data_config[k]).view(1, 3, 1, 1) for k in ("mean", "std"))
+            images = (pixels.permute(0, 3, 1, 2).float().div(255) - mean) / std
+            feed = {INPUT: pixels.numpy()}
             diff = float(np.abs(session.run([OUTPUT], feed)[0] - served_model.embed_tensors(images)).max())
             torch_s, onnx_s = [], []
             for r in range(n_rounds):  # alternating which goes first

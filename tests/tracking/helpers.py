@@ -79,3 +79,24 @@ def run_pipeline(params: Params, seed: int, blind: bool = False, **metric_change
     with pipeline_run(params, "train", new=True):
         pass
     return register(params)
+
+
+def write_images(folder: Path) -> list[Path]:
+    """Real files of each kind a client sends: PNG (RGB, grey, RGBA with a transparent half), JPEG, WebP, of
+    sizes and aspect ratios other than the model's."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (45, 61, 3), dtype=np.uint8)
+    rgba = np.dstack([pixels, np.full((45, 61), 255, np.uint8)])
+    rgba[:, :30, 3] = 0  # transparent: composited on white, not the black stored under it
+    rgba[:, :30, :3] = 0
+    files = {
+        "rgb.png": Image.fromarray(pixels),
+        "grey.png": Image.fromarray(pixels[..., 0]),
+        "alpha.png": Image.fromarray(rgba, "RGBA"),
+        "photo.jpg": Image.fromarray(rng.integers(0, 256, (80, 50, 3), dtype=np.uint8)),
+        "tall.webp": Image.fromarray(rng.integers(0, 256, (120, 33, 3), dtype=np.uint8)),
+    }
+    for name, image in files.items():
+        image.save(folder / name)
+    return [folder / name for name in files]

@@ -8,9 +8,7 @@ import json
 from pathlib import Path
 
 import mlflow
-import numpy as np
 import pytest
-import torch
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
@@ -124,16 +122,9 @@ def test_a_failing_stage_marks_the_run_failed(params):
     assert MlflowClient(params.tracking.uri).get_run(run.run_id).info.status == "FAILED"
 
 
-def test_the_pyfunc_returns_the_embedders_embeddings(params):
-    embedder = write_model(params, seed=1)
+def test_logging_the_same_checkpoint_again_logs_nothing(params):
+    write_model(params, seed=1)
     with pipeline_run(params, "train", new=True) as run:
         uri = log_model(params, run)
-        assert log_model(params, run) == uri  # same checkpoint: nothing new is logged
-    batch = np.random.default_rng(0).standard_normal((5, 3, 32, 32), dtype=np.float32)
-    out = mlflow.pyfunc.load_model(uri).predict(batch)
-    with torch.no_grad():
-        expected = embedder(torch.from_numpy(batch)).numpy()
-    assert out.shape == (5, params.model.embedding_dim) and out.dtype == np.float32
-    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.linalg.norm(out, axis=1), 1.0, rtol=1e-5)
-    assert mlflow.models.get_model_info(uri).metadata["mean"] == [0.5, 0.5, 0.5]  # how to normalize inputs
+        assert log_model(params, run) == uri
+    # What the logged pyfunc does with images: tests/tracking/test_pyfunc.py.

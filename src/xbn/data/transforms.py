@@ -44,3 +44,51 @@ def build_transform(
     return create_transform(
         image_size, is_training=False, crop_pct=crop_pct, mean=tuple(mean), std=tuple(std)
     )
+
+
+def _eval_steps(transform):
+    """The four steps of an eval transform (`build_transform(..., training=False)`): resize, centre crop,
+    to-tensor, normalise; a ValueError if `transform` is laid out otherwise (another timm might)."""
+    from torchvision import transforms as T
+
+    steps = list(getattr(transform, "transforms", ()))
+    kinds = [type(s).__name__ for s in steps]
+    if (len(steps) != 4 or not isinstance(steps[0], T.Resize) or not isinstance(steps[1], T.CenterCrop)
+            or kinds[2] not in ("ToTensor", "MaybeToTensor") or not isinstance(steps[3], T.Normalize)):
+        raise ValueError(f"not an eval transform (Resize, CenterCrop, ToTensor, Normalize): {kinds}")
+    return steps
+
+
+def eval_geometry(transform):
+    """The resize and centre crop of an eval transform: RGB PIL image -> RGB PIL image of the model's input
+    size; what remains (to-tensor: x / 255 in CHW; normalise: (x - mean) / std) is arithmetic on its pixels."""
+    from torchvision import transforms as T
+
+    return T.Compose(_eval_steps(transform)[:2])
+
+
+def eval_resize_rule(transform) -> dict:
+    """What `eval_geometry(transform)` does to an image of any size, in words another language can follow
+    (torchvision's `resize` and `center_crop` on a PIL image, read from the transform's own settings)."""
+    resize, crop = _eval_steps(transform)[:2]
+    shorter = resize.size if isinstance(resize.size, int) else resize.size[0]
+    if resize.max_size is not None or (not isinstance(resize.size, int) and len(resize.size) != 1):
+        raise ValueError(f"not a shorter-side resize: {resize}")
+    height, width = crop.size
+    return {
+        "resize": {
+            "shorter_side": shorter,
+            "longer_side": f"int({shorter} * longer / shorter): a float division, truncated",
+            "interpolation": resize.interpolation.value,
+            "antialias": True,  # PIL's bilinear always filters over the downscale factor
+            "reference": f"PIL Image.resize((new_width, new_height), Image.{resize.interpolation.name}); an "
+                         f"image whose sides already are the new ones is left as it is",
+        },
+        "center_crop": {
+            "height": height,
+            "width": width,
+            "top": f"round((new_height - {height}) / 2)",
+            "left": f"round((new_width - {width}) / 2)",
+            "rounding": "half to even (Python's round)",
+        },
+    }

@@ -1,10 +1,16 @@
-"""The served embedder as ONNX: backbone, head and L2 normalisation in one graph, batch size free.
+"""The served embedder as ONNX: the input's scaling and normalisation, backbone, head and L2 normalisation in
+one graph, batch size free.
+
+The graph takes the RGB pixels of the model's eval transform before its arithmetic: uint8 [N, S, S, 3] (NHWC),
+the image already decoded, resized and centre-cropped to S (`ServedModel.pixels`); it divides by 255 and
+normalises with the checkpoint's mean and std itself, as the transform's to-tensor and normalise steps do. So a
+client in any language needs only to decode, resize and crop: `export_onnx` writes that rule next to the file
+as JSON (`<file>.json`, `preprocessing_rule`), read from the transform's own settings.
 
 Exported with torch's `torch.export`-based exporter (the default since torch 2.9; the TorchScript one is
-deprecated) at opset 18, which onnxruntime 1.32 runs. Height and width stay fixed at the size the model is
-served at: the transform crops every image to it. The file carries what a serving stack needs to feed it
-(image size, mean, std) and the checkpoint's sha256 as ONNX metadata, and `check_parity` compares it with
-torch on real images before it is trusted.
+deprecated) at opset 18, which onnxruntime 1.32 runs. The file also carries the image size, mean, std and the
+checkpoint's sha256 as ONNX metadata, and `check_parity` compares it with torch on real images before it is
+trusted.
 """
 
 from __future__ import annotations
@@ -19,9 +25,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from xbn.data.images import BACKGROUND
+from xbn.data.transforms import eval_resize_rule
 from xbn.evaluation.inference import FLOAT32
 from xbn.serving.model import ServedModel, open_image
-from xbn.utils.io import atomic_path
+from xbn.utils.io import atomic_path, file_digest, write_json
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +42,39 @@ class ParityError(AssertionError):
     """The ONNX graph and the torch model disagree beyond the tolerance."""
 
 
+class FromPixels(torch.nn.Module):
+    """The embedder behind its transform's last two steps: uint8 RGB pixels [N, S, S, 3] -> to-tensor (x / 255,
+    CHW) -> normalise ((x - mean) / std) -> embeddings; the same operations, in the same order, as
+    torchvision's ToTensor and Normalize."""
+
+    def __init__(self, model: torch.nn.Module, mean, std) -> None:
+        super().__init__()
+        self.model = model
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        images = pixels.permute(0, 3, 1, 2).to(torch.float32).div(255)
+        return self.model(images.sub(self.mean).div(self.std))
+
+
+def rule_path(path: str | Path) -> Path:
+    """Where `export_onnx` writes the preprocessing rule of the ONNX file at `path`: `<file>.json`."""
+    path = Path(path)
+    return path.with_name(path.name + ".json")
+
+
 def export_onnx(model: ServedModel, path: str | Path, opset: int = OPSET) -> Path:
-    """Write `model` as a single ONNX file at `path` (atomically) with a dynamic batch axis."""
+    """Write `model` as a single ONNX file at `path` with a dynamic batch axis, then its preprocessing rule at
+    `rule_path(path)` (each atomically)."""
     import onnx
 
     # The served copy may sit on a GPU or in channels_last: the graph is exported from an NCHW copy on the CPU.
     module = copy.deepcopy(model.model).cpu().eval().to(memory_format=torch.contiguous_format)
+    module = FromPixels(module, model.data_config["mean"], model.data_config["std"]).eval()
     size = model.image_size
     # Batch 2, not 1: torch.export specialises a dimension of size 1 to a constant.
-    example = torch.zeros(2, 3, size, size)
+    example = torch.zeros(2, size, size, 3, dtype=torch.uint8)
     path = Path(path)
     with atomic_path(path) as tmp:
         torch.onnx.export(
@@ -64,13 +96,44 @@ def export_onnx(model: ServedModel, path: str | Path, opset: int = OPSET) -> Pat
             "std": list(model.data_config["std"]),
             "embedding_dim": model.embedding_dim,
             "model_sha256": model.sha256,
+            "input": "uint8 NHWC RGB, resized and centre-cropped: see the .json beside the file",
             "producer": "xbn",
         }
         onnx.helper.set_model_props(proto, {k: json.dumps(v) for k, v in metadata.items()})
         onnx.checker.check_model(proto)
         onnx.save(proto, str(tmp))
-    log.info("ONNX (opset %d, batch dynamic, %dx%d input) -> %s", opset, size, size, path)
+    write_json(rule_path(path), preprocessing_rule(model, path))
+    log.info("ONNX (opset %d, batch dynamic, uint8 %dx%dx3 input) -> %s (+ %s)", opset, size, size, path,
+             rule_path(path).name)
     return path
+
+
+def preprocessing_rule(model: ServedModel, path: str | Path) -> dict:
+    """What a client does to an image file before the ONNX file at `path` takes it, and what the graph does
+    after: the steps of `model.transform` (`xbn.data.transforms.eval_resize_rule`) and of the decoding
+    `xbn embed` runs (`xbn.data.images.open_rgb`)."""
+    size = model.image_size
+    return {
+        "onnx_file": Path(path).name,
+        "onnx_sha256": file_digest(path),
+        "model_sha256": model.sha256,
+        "input": {"name": INPUT, "dtype": "uint8", "shape": ["N", size, size, 3], "layout": "NHWC",
+                  "channels": "RGB"},
+        "decode": {
+            "color": "RGB (grey and palette images expanded as PIL's convert('RGB') does)",
+            "transparency": "composited over an opaque background (PIL Image.alpha_composite)",
+            "background": list(BACKGROUND),
+            "exif_orientation": "not applied: the pixels as stored",
+        },
+        **eval_resize_rule(model.transform),  # resize, then center_crop, to size x size
+        "in_graph": {
+            "steps": "x = pixels / 255 (float32, to NCHW); x = (x - mean) / std per channel",
+            "mean": [float(v) for v in model.data_config["mean"]],
+            "std": [float(v) for v in model.data_config["std"]],
+        },
+        "output": {"name": OUTPUT, "dtype": "float32", "shape": ["N", model.embedding_dim],
+                   "l2_normalized": True},
+    }
 
 
 def onnx_metadata(path: str | Path) -> dict:
@@ -81,24 +144,28 @@ def onnx_metadata(path: str | Path) -> dict:
     return {p.key: json.loads(p.value) for p in proto.metadata_props}
 
 
-def onnx_embed(path: str | Path, batch: np.ndarray):
-    """Embeddings of a preprocessed float32 batch [N, 3, S, S] by onnxruntime on the CPU."""
+def onnx_embed(path: str | Path, pixels: np.ndarray):
+    """Embeddings of uint8 pixels [N, S, S, 3] (`ServedModel.pixels`) by onnxruntime on the CPU."""
     import onnxruntime as ort
 
+    pixels = np.asarray(pixels)
+    if pixels.dtype != np.uint8:
+        raise ValueError(f"the ONNX graph takes uint8 pixels [N, S, S, 3], got {pixels.dtype}")
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return session.run([OUTPUT], {INPUT: np.ascontiguousarray(batch, dtype=np.float32)})[0]
+    return session.run([OUTPUT], {INPUT: np.ascontiguousarray(pixels)})[0]
 
 
 def check_parity(
     model: ServedModel, path: str | Path, image_paths: Sequence[str | Path], atol: float = PARITY_ATOL
 ) -> float:
-    """Embed real images with torch and with the ONNX file (one batch, so the dynamic axis is exercised with
-    their count); returns the max |difference|, raising `ParityError` above `atol`."""
+    """Embed real images with torch (the whole transform) and with the ONNX file (their resized pixels; one
+    batch, so the dynamic axis is exercised with their count); returns the max |difference|, raising
+    `ParityError` above `atol`."""
     if not image_paths:
         raise ValueError("parity needs at least one image")
-    batch = torch.stack([model.transform(open_image(p)) for p in image_paths])
-    expected = dataclasses.replace(model, mode=FLOAT32).embed_tensors(batch)  # the graph is float32
-    got = onnx_embed(path, batch.numpy())
+    images = [open_image(p) for p in image_paths]
+    expected = dataclasses.replace(model, mode=FLOAT32).embed_images(images)  # the graph is float32
+    got = onnx_embed(path, np.stack([model.pixels(image) for image in images]))
     diff = float(np.abs(got - expected).max())
     log.info("ONNX parity on %d image(s): max |diff| %.2e (tolerance %.0e)", len(image_paths), diff, atol)
     if not diff <= atol:

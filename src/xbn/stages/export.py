@@ -1,6 +1,7 @@
-"""`xbn export --format onnx`: models/model.pt as one ONNX file with a free batch axis, checked against torch
-on real catalogue images (max |diff| <= 1e-4) before it is kept, and attached to the model's registry version
-(under `onnx/`, its sha256 as the version tag `onnx_sha256`)."""
+"""`xbn export --format onnx`: models/model.pt as one ONNX file with a free batch axis (uint8 pixels in, the
+normalisation in the graph) and its preprocessing rule beside it (`<file>.json`), checked against torch on real
+catalogue images (max |diff| <= 1e-4) before they are kept, and attached to the model's registry version (under
+`onnx/`, the ONNX file's sha256 as the version tag `onnx_sha256`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from xbn.config import ConfigError, Params
-from xbn.serving.onnx_export import PARITY_ATOL, check_parity, export_onnx
+from xbn.serving.onnx_export import PARITY_ATOL, check_parity, export_onnx, rule_path
 from xbn.serving.sources import read_source
 from xbn.stages.index import local_model, registered_version
 
@@ -31,14 +32,16 @@ def export(params: Params, fmt: str = "onnx", output: str | None = None) -> dict
         diff = check_parity(model, path, images, PARITY_ATOL)
     except AssertionError:
         path.unlink(missing_ok=True)  # a file that disagrees with torch is not left for anyone to serve
+        rule_path(path).unlink(missing_ok=True)
         raise
-    report: dict[str, Any] = {"output": str(path), "max_abs_diff": diff, "parity_images": len(images),
+    report: dict[str, Any] = {"output": str(path), "preprocessing": str(rule_path(path)),
+                              "max_abs_diff": diff, "parity_images": len(images),
                               "model_sha256": model.sha256, "version": None}
     version = registered_version(params, model.sha256)
     if version is not None:
         from xbn.tracking import Registry
 
-        Registry(params).log_onnx(version, path)
+        Registry(params).log_onnx(version, path, rule_path(path))
         report["version"] = version.version
     log.info("ONNX -> %s (parity max |diff| %.1e on %d images)", path, diff, len(images))
     return report

@@ -230,9 +230,11 @@ class Registry:
             return None
         return json.loads((folder / DATA_RECORD.name).read_text()), pd.read_parquet(folder / DATA_FILES.name)
 
-    def log_onnx(self, version: ModelVersionInfo, path: str | Path) -> None:
-        """Attach the ONNX export of `version`'s embedder (under `onnx/`), its sha256 as a version tag."""
-        self.client.log_model_artifact(self._logged_model(version), str(path), ONNX_ARTIFACT)
+    def log_onnx(self, version: ModelVersionInfo, path: str | Path, *companions: str | Path) -> None:
+        """Attach the ONNX export of `version`'s embedder and its `companions` (the preprocessing rule) under
+        `onnx/`, the ONNX file's sha256 as a version tag (the rule records it too)."""
+        for file in (*companions, path):
+            self.client.log_model_artifact(self._logged_model(version), str(file), ONNX_ARTIFACT)
         self.set_tags(version.version, {ONNX_SHA_TAG: file_digest(path)})
 
     def _logged_model(self, version: ModelVersionInfo) -> str:

@@ -253,8 +253,8 @@ def log_model(params: Params, run: PipelineRun, checkpoint: str | Path | None = 
         name=MODEL_NAME,
         python_model=str(pyfunc.MODEL_CODE),
         artifacts={pyfunc.CHECKPOINT_ARTIFACT: str(checkpoint)},
-        model_config={pyfunc.CHECKPOINT_SHA256: sha},
-        signature=pyfunc.signature(params.model.embedding_dim),
+        model_config=pyfunc.model_config(params, sha),
+        signature=pyfunc.signature(),
         input_example=pyfunc.input_example(params.data.image_size),
         pip_requirements=pyfunc.pip_requirements(),
         metadata={"image_size": params.data.image_size, "embedding_dim": params.model.embedding_dim,
@@ -280,7 +280,7 @@ def run_summary(run_id: str, params: Params) -> dict[str, Any]:
 
 # -- helpers -----------------------------------------------------------------------------------------------
 def _normalization(checkpoint: Path) -> dict[str, list[float]]:
-    # Callers of predict must normalize as training did: publish the checkpoint's mean/std with the model.
+    # Callers of the tensor entry point (`embed_tensors`) normalize as training did: publish the mean/std.
     import torch
 
     data_config = torch.load(checkpoint, map_location="cpu", weights_only=True).get("data_config", {})

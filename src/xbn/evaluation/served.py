@@ -1,0 +1,158 @@
+"""The served embedder: a loaded checkpoint with the eval transform it was trained with, and the one way images
+(files, uploaded bytes, manifest rows) become embeddings for everything that serves a model: `xbn embed`,
+`xbn search`, `xbn serve`, the MLflow pyfunc (`xbn.tracking.pyfunc`) and the ONNX export. It sits below
+tracking and serving so that they all run this code rather than copies of it.
+
+A checkpoint records the backbone's mean/std but not the image size it was trained at (`data.image_size`, or
+the `image_size` a registered version records in its pyfunc metadata), so the size is passed in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import pandas as pd
+import torch
+from PIL import Image
+from timm.data import DEFAULT_CROP_PCT
+
+from xbn.data import build_transform
+from xbn.data.images import UnreadableImage, open_rgb  # noqa: F401 -- UnreadableImage re-exported
+from xbn.data.transforms import eval_geometry
+from xbn.evaluation.embed import embed, image_loader
+from xbn.evaluation.inference import FLOAT32, InferenceMode, choose_inference_mode, run
+from xbn.models import load_embedder
+from xbn.utils.io import file_digest
+
+
+class EmbeddedRows(NamedTuple):
+    """Row i of `embeddings` is the frame's row at position `kept[i]`; `skipped` are the unreadable paths."""
+
+    embeddings: np.ndarray
+    kept: list[int]
+    skipped: list[str]
+
+
+@dataclass
+class ServedModel:
+    """An embedder in eval mode and what serving needs around it."""
+
+    model: torch.nn.Module
+    transform: Any  # RGB PIL image -> normalised (3, S, S) tensor, as at evaluation
+    image_size: int
+    embedding_dim: int
+    sha256: str  # of the checkpoint file: ties an index to the model that built it
+    device: torch.device
+    data_config: dict[str, Any]
+    mode: InferenceMode = FLOAT32  # memory format and precision (`inference` params; recorded in index.json)
+
+    @property
+    def decode_side(self) -> int:
+        """The shorter side a query image is decoded down to at least (`xbn.data.images.decode`): twice the
+        side the eval transform resizes to, so its antialiased resize still does the last 2x, and a reduced
+        decode embeds as a full one would (cosine > 0.999, tests/serving/test_hostile.py)."""
+        return 2 * math.ceil(self.image_size / DEFAULT_CROP_PCT)
+
+    @torch.inference_mode()
+    def embed_tensors(self, batch: torch.Tensor) -> np.ndarray:
+        """float32 [N, D] unit-norm embeddings of a preprocessed batch."""
+        if not len(batch):
+            return np.empty((0, self.embedding_dim), dtype=np.float32)
+        out, self.mode = run(self.model, batch.to(self.device), self.mode, self.device)
+        return out.cpu().numpy()
+
+    def pixels(self, image: Image.Image) -> np.ndarray:
+        """The uint8 [S, S, 3] pixels `transform` feeds its to-tensor and normalisation steps: `image` resized
+        and centre-cropped, what the ONNX graph takes (`xbn.serving.onnx_export`)."""
+        return np.asarray(eval_geometry(self.transform)(image), dtype=np.uint8)
+
+    def embed_images(self, images: Sequence[Image.Image], batch_size: int = 64) -> np.ndarray:
+        """Embeddings of RGB PIL images, in order, `batch_size` at a time (bounds peak memory)."""
+        chunks = [
+            self.embed_tensors(torch.stack([self.transform(im) for im in images[i : i + batch_size]]))
+            for i in range(0, len(images), batch_size)
+        ]
+        return np.concatenate(chunks) if chunks else np.empty((0, self.embedding_dim), dtype=np.float32)
+
+    def embed_frame(
+        self, frame: pd.DataFrame, root: str | Path, batch_size: int = 64, num_workers: int = 0
+    ) -> EmbeddedRows:
+        """Embeddings of the manifest-format rows of `frame` (paths relative to `root`); unreadable images are
+        left out and named (`ImageDataset` logs each with its error)."""
+        if frame.empty:
+            return EmbeddedRows(np.empty((0, self.embedding_dim), dtype=np.float32), [], [])
+        loader = image_loader(
+            frame,
+            root,
+            np.zeros(len(frame), dtype=np.int64),
+            self.transform,
+            batch_size,
+            num_workers,
+            self.device,
+            skip_unreadable=True,
+        )
+        kept: list[int] = []
+        emb, _ = embed(self.model, loader, self.device, self.mode, kept=kept)
+        if not kept:
+            emb = np.empty((0, self.embedding_dim), dtype=np.float32)
+        kept_set = set(kept)
+        return EmbeddedRows(
+            emb, kept, [p for i, p in enumerate(frame["path"].astype(str)) if i not in kept_set]
+        )
+
+
+def load_served_model(path: str | Path, image_size: int, device: str | torch.device = "cpu",
+                      precision: str = "auto", channels_last: bool | str = "auto") -> ServedModel:
+    """The embedder checkpoint at `path` (as `xbn train` writes models/model.pt), served at `image_size`, in the
+    mode `inference.precision` and `inference.channels_last` choose (`xbn.evaluation.inference`)."""
+    device = torch.device(device)
+    model, data_config, _ = load_embedder(path, map_location=device)
+    return served(model, data_config, image_size, file_digest(path), device, precision, channels_last)
+
+
+def served(
+    model: torch.nn.Module,
+    data_config: dict[str, Any],
+    image_size: int,
+    sha256: str = "",
+    device: str | torch.device = "cpu",
+    precision: str = "auto",
+    channels_last: bool | str = "auto",
+) -> ServedModel:
+    """Wrap an in-memory embedder (e.g. the one `xbn register` just evaluated) for serving."""
+    transform = build_transform(image_size, training=False, mean=data_config["mean"], std=data_config["std"])
+    device = torch.device(device)
+    mode = choose_inference_mode(model, device, image_size, precision, channels_last)
+    return ServedModel(
+        mode.prepare(model.eval()),
+        transform,
+        int(image_size),
+        int(model.embedding_dim),
+        sha256,
+        device,
+        dict(data_config),
+        mode,
+    )
+
+
+def open_image(path: str | Path, min_side: int | None = None) -> Image.Image:
+    """An image file as RGB, or `UnreadableImage` naming it (missing, not an image, truncated, malformed).
+    `min_side`: decode at reduced size (`ServedModel.decode_side`), as the server does with an upload."""
+    return open_rgb(path, min_side=min_side)
+
+
+def decode_image(
+    data: bytes,
+    name: str = "upload",
+    max_pixels: int | None = None,
+    formats: Collection[str] | None = None,
+    min_side: int | None = None,
+) -> Image.Image:
+    """Uploaded bytes as an RGB image, or `UnreadableImage` saying what is wrong with them. `max_pixels` is
+    checked on the header, before any pixel is decoded (a few kB of PNG can decode to gigabytes)."""
+    return open_rgb(data, name, formats=formats, max_pixels=max_pixels, min_side=min_side)
