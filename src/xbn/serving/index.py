@@ -18,7 +18,8 @@ the benchmark's catalogue; k_factor is chosen at build time (`tune_k_factor`), t
 On disk an index is a folder of three files, each written atomically: `index.faiss`, `ids.parquet` (path,
 label, row) and `index.json` (type, dimension, count, the model's sha256, the measured recall@10, the k_factor
 tuning of a refined IVF-PQ, and the sha256 of the other two). `index.json` is written last and names the bytes
-of the other two, so a reader never pairs an index with the id map of another write.
+of the other two, so a reader never pairs an index with the id map of another write. An on-disk IVF
+(`xbn.serving.shards`) adds `index.ivfdata` and, re-ranked, `refine.npy` (`xbn.serving.mapped_refine`).
 """
 
 from __future__ import annotations
