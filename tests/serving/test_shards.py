@@ -17,7 +17,8 @@ from test_index import PQ, clustered, exact_top10_found, product_like
 
 from xbn.config import IndexConfig
 from xbn.evaluation.knn import knn_search
-from xbn.serving.index import CatalogueIndex, IndexMismatch, recall_at_k
+from xbn.serving.index import CatalogueIndex, IndexMismatch, recall_at_k, unit_rows
+from xbn.serving.mapped_refine import REFINE_FILE, MappedRefine
 from xbn.serving.shards import IVFDATA_FILE, build_sharded
 
 SIZES = (700, 500, 800)  # three machines' parts of the catalogue
@@ -89,20 +90,24 @@ def test_on_disk_ivf_pq_is_re_ranked_exactly_with_its_tuned_k_factor(tmp_path):
     plain = build_sharded(files, tmp_path / "plain", IndexConfig(**cfg, refine="none"))
     built = build_sharded(files, tmp_path / "index", IndexConfig(**cfg))
     assert plain.meta["recall@10"] < 0.75 and "k_factor_tuning" not in plain.meta
+    assert not (tmp_path / "plain" / REFINE_FILE).exists()
     tuning, k_factor = built.meta["k_factor_tuning"], built.meta["params"]["k_factor"]
     assert tuning["reached"] and tuning["k_factor"] == k_factor > 1 and built.meta["recall@10"] >= 0.99
     assert [t["k_factor"] for t in tuning["ladder"]][-1] == k_factor
-    # The PQ lists stay memory-mapped under the re-rank; the fp16 vectors are in row order.
-    assert isinstance(faiss.downcast_InvertedLists(faiss.extract_index_ivf(built.index).invlists),
+    # The PQ lists stay memory-mapped under the re-rank, and so do the fp16 vectors, in row order.
+    assert isinstance(built.index, MappedRefine) and built.index.vectors.dtype == np.float16
+    assert isinstance(faiss.downcast_InvertedLists(faiss.extract_index_ivf(built.index.base_index).invlists),
                       faiss.OnDiskInvertedLists)
+    assert set(built.meta["build_s"]) == {"train", "fill", "merge", "refine_store", "ids", "exact_truth",
+                                          "tune_and_recall"}
 
     moved = tmp_path / "elsewhere"
     shutil.copytree(tmp_path / "index", moved)
     shutil.rmtree(tmp_path / "index")
     loaded = CatalogueIndex.load(moved)
-    # index.json's k_factor, applied on load: faiss's file holds the 1 it was written with before tuning
-    assert faiss.read_index(str(moved / "index.faiss"), faiss.IO_FLAG_ONDISK_SAME_DIR).k_factor == 1
-    assert loaded.index.k_factor == k_factor
+    np.testing.assert_array_equal(loaded.index.vectors, unit_rows(x, "x").astype(np.float16))
+    # index.json's k_factor, applied on load
+    assert isinstance(loaded.index, MappedRefine) and loaded.index.k_factor == k_factor
     assert exact_top10_found(loaded, x, queries) >= 0.9 > 0.2 > exact_top10_found(plain, x, queries)
 
 

@@ -18,7 +18,8 @@ the benchmark's catalogue; k_factor is chosen at build time (`tune_k_factor`), t
 On disk an index is a folder of three files, each written atomically: `index.faiss`, `ids.parquet` (path,
 label, row) and `index.json` (type, dimension, count, the model's sha256, the measured recall@10, the k_factor
 tuning of a refined IVF-PQ, and the sha256 of the other two). `index.json` is written last and names the bytes
-of the other two, so a reader never pairs an index with the id map of another write.
+of the other two, so a reader never pairs an index with the id map of another write. An on-disk IVF
+(`xbn.serving.shards`) adds `index.ivfdata` and, re-ranked, `refine.npy` (`xbn.serving.mapped_refine`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import pandas as pd
 from xbn.config import IndexConfig
 from xbn.config.schema import INDEX_TYPES
 from xbn.evaluation.knn import as_float32_matrix, knn_search
+from xbn.serving.mapped_refine import MappedRefine, StoreMismatch, open_store
 from xbn.serving.model import ServedModel
 from xbn.utils.io import atomic_path, file_digest, write_json
 
@@ -143,8 +145,13 @@ def on_gpus(index: faiss.Index) -> faiss.Index:
         return index
 
 
-def set_search_params(index: faiss.Index, params: dict[str, Any]) -> None:
+def set_search_params(index: faiss.Index | MappedRefine, params: dict[str, Any]) -> None:
     """Apply the query-time knobs (not all survive faiss's own serialisation, so they are re-applied)."""
+    if isinstance(index, MappedRefine):  # our re-rank over a memory-mapped store: the k_factor is its own
+        if "k_factor" in params:
+            index.k_factor = int(params["k_factor"])
+        index = index.base_index
+        params = {key: value for key, value in params.items() if key != "k_factor"}
     # GpuParameterSpace also sets a CPU index (and each replica of a multi-GPU one).
     gpu = hasattr(faiss, "GpuParameterSpace") and faiss.get_num_gpus() > 0
     space = faiss.GpuParameterSpace() if gpu else faiss.ParameterSpace()
@@ -401,9 +408,15 @@ class CatalogueIndex:
                     f"{directory / name} is not the file {META_FILE} records (sha256 differs): "
                     "a write was interrupted or the folder was altered; rebuild the index"
                 )
-        # An on-disk index (xbn.serving.shards) memory-maps the .ivfdata beside it, wherever the folder now is.
+        # An on-disk index (xbn.serving.shards) memory-maps the .ivfdata beside it, wherever the folder now is,
+        # and its re-rank store (REFINE_FILE, when it has one).
         flags = faiss.IO_FLAG_ONDISK_SAME_DIR if meta.get("ondisk") else 0
         index = faiss.read_index(str(directory / INDEX_FILE), flags)
+        if meta.get("refine_store"):
+            try:
+                index = MappedRefine(index, open_store(directory / meta["refine_store"], index.ntotal, index.d))
+            except StoreMismatch as exc:
+                raise IndexMismatch(str(exc)) from None
         set_search_params(index, meta.get("params", {}))
         ids = pd.read_parquet(directory / IDS_FILE)
         if not (index.ntotal == len(ids) == meta["count"]):

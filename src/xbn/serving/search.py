@@ -26,7 +26,10 @@ def neighbours(index: CatalogueIndex, embeddings: np.ndarray, k: int) -> list[li
     """For each embedding, its top-k catalogue items as {path, label, score, rank, row} (rank 1 = closest; row:
     the item's row in the index and its id map)."""
     scores, rows = index.search(embeddings, k)
-    paths, labels = index.ids["path"].to_numpy(), index.ids["label"].to_numpy()
+    # Only the rows found are read from the id map (a 10M-row map converted whole would cost seconds).
+    found = np.unique(rows[rows >= 0])
+    paths = dict(zip(found.tolist(), index.ids["path"].take(found).tolist()))
+    labels = dict(zip(found.tolist(), index.ids["label"].take(found).tolist()))
     # pandas reads a label column with some nulls as strings with NaN for the nulls: pd.isna catches both.
     return [
         [
@@ -35,9 +38,9 @@ def neighbours(index: CatalogueIndex, embeddings: np.ndarray, k: int) -> list[li
                 "label": None if pd.isna(labels[r]) else str(labels[r]),
                 "score": round(float(s), 6),
                 "rank": rank,
-                "row": int(r),
+                "row": r,
             }
-            for rank, (s, r) in enumerate(zip(row_scores, row_ids), start=1)
+            for rank, (s, r) in enumerate(zip(row_scores, row_ids.tolist()), start=1)
             if r >= 0
         ]
         for row_scores, row_ids in zip(scores, rows)

@@ -16,10 +16,11 @@ index file is in (`IO_FLAG_ONDISK_SAME_DIR`), so the folder can be moved or down
 measured against exact search streamed over the shards.
 
 An on-disk IVF-PQ is re-ranked exactly as the in-memory one is (`index.refine`, `xbn.serving.index`), its
-k_factor tuned against the same streamed exact search. The refine store is inside index.faiss and is read into
-memory on load (2 bytes a dimension a row with fp16: 1 GB for 1M x 512): only the PQ lists stay on disk.
-faiss 1.15 cannot memory-map it together with the on-disk lists (IO_FLAG_MMAP_IFC needs its own file reader);
-`index.refine: none` keeps the index small in memory, at PQ's recall.
+k_factor tuned against the same streamed exact search, but from a store that is memory-mapped, not loaded:
+the shards' vectors are written one shard at a time to `refine.npy` beside the index (fp16: 1 KB a 512-d row,
+10 GB for 10M rows), and `xbn.serving.mapped_refine.MappedRefine` re-ranks the PQ candidates from it (faiss's
+IndexRefine would read its store into memory). So neither the lists nor the vectors are in RAM when serving.
+The build records each phase's seconds in index.json (`build_s`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import shutil
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -49,12 +51,12 @@ from xbn.serving.index import (
     _id_map,
     ivf_spec,
     recall_on,
-    refine_store,
     sample_rows,
     set_search_params,
     tune_k_factor,
     unit_rows,
 )
+from xbn.serving.mapped_refine import REFINE_FILE, MappedRefine, open_store, write_store
 from xbn.utils.io import atomic_path, file_digest, write_json
 
 log = logging.getLogger(__name__)
@@ -109,57 +111,82 @@ def build_sharded(
     shards = [Path(s) for s in shards]
     if not shards:
         raise ValueError("no embedding shards to index")
-    frames = [read_embeddings(s)[0] for s in shards]  # the id maps: paths and labels, no embeddings
+    frames = [_id_columns(s) for s in shards]  # the id maps: paths and labels, no embeddings
     counts = [len(f) for f in frames]
     total, dim = sum(counts), _dim(shards[0])
     directory = Path(directory)
     work = directory.with_name(f".{directory.name}.shards")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal clock
+        seconds[name] = round(time.perf_counter() - clock, 1)
+        clock = time.perf_counter()
+        log.info("index: %s done in %.1f s", name, seconds[name])
+
     trained, params = train_ivf(shards, cfg, dim, total)
     faiss.write_index(trained, str(work / "trained.index"))
+    phase("train")
     parts, first = [], 0
     for i, (shard, n) in enumerate(zip(shards, counts)):
         parts.append(str(work / f"shard-{i:04d}.index"))
         fill_shard(work / "trained.index", shard, first, parts[-1])
         first += n
+    phase("fill")
     # merge_ondisk writes the lists into the .ivfdata as it merges: it is built in the work folder and moved
     # in with the index file (which names it; IO_FLAG_ONDISK_SAME_DIR finds it beside the index on load).
     merged = faiss.read_index(str(work / "trained.index"))
     merge_ondisk(merged, parts, str(work / IVFDATA_FILE))
-    if cfg.type == "ivf_pq" and cfg.refine != "none":  # the exact vectors, in row order, beside the PQ lists
-        store = refine_store(cfg.refine, dim)
-        for shard in shards:
-            store.add(unit_rows(read_embeddings(shard)[1], "embeddings"))
-        merged = faiss.IndexRefine(merged, store)
-        params.update(refine=cfg.refine, k_factor=1)
     faiss.write_index(merged, str(work / INDEX_FILE))
+    del merged
+    for part in parts:  # the shards' own copies of the lists: as large as the .ivfdata
+        Path(part).unlink()
+    phase("merge")
+    files = [IVFDATA_FILE, INDEX_FILE]
+    refined = cfg.type == "ivf_pq" and cfg.refine != "none"
+    if refined:  # the exact vectors, in row order, one shard in memory at a time
+        write_store((unit_rows(read_embeddings(s)[1], "embeddings") for s in shards), work / REFINE_FILE,
+                    total, dim, cfg.refine)
+        files.append(REFINE_FILE)
+        params.update(refine=cfg.refine, k_factor=1)
+        phase("refine_store")
     directory.mkdir(parents=True, exist_ok=True)
-    for name in (IVFDATA_FILE, INDEX_FILE):
+    for name in files:
         (work / name).replace(directory / name)
     ids = _id_map(pd.concat(frames, ignore_index=True), 0)
+    del frames
     with atomic_path(directory / IDS_FILE) as tmp:
         ids.to_parquet(tmp, index=False)
     shutil.rmtree(work, ignore_errors=True)
+    phase("ids")
 
     index = faiss.read_index(str(directory / INDEX_FILE), faiss.IO_FLAG_ONDISK_SAME_DIR)
+    if refined:
+        index = MappedRefine(index, open_store(directory / REFINE_FILE, total, dim))
     set_search_params(index, params)
     sample = recall_queries or cfg.recall_queries
     check = sample_rows(total, sample, cfg.seed)
     tune = sample_rows(total, sample, cfg.seed + 1, avoid=check) if "k_factor" in params else check[:0]
     truth = streamed_truth(shards, np.union1d(check, tune))  # one pass over the shards for both query sets
+    phase("exact_truth")
     tuning = None
     if len(tune):  # as CatalogueIndex.build: tuned on other rows than the recall is measured on
         tuning = tune_k_factor(index, truth.subset(tune), cfg.k_factors, cfg.target_recall, params)
     recall = recall_on(index, truth.subset(check))
+    phase("tune_and_recall")
     meta = {
         "format": FORMAT, "type": cfg.type, "requested_type": cfg.type, "ondisk": True, "shards": len(shards),
         "dim": dim, "count": total, "model_sha256": model_sha256, f"recall@{RECALL_K}": recall,
         "recall_measured_on": total, "params": params,
         **({"k_factor_tuning": tuning} if tuning else {}),
-        "sha256": {name: file_digest(directory / name) for name in (INDEX_FILE, IDS_FILE, IVFDATA_FILE)},
+        **({"refine_store": REFINE_FILE} if refined else {}),
+        "build_s": seconds,
+        "sha256": {name: file_digest(directory / name) for name in (*files, IDS_FILE)},
     }
-    write_json(directory / META_FILE, meta)  # last: it names the bytes of the other three
+    write_json(directory / META_FILE, meta)  # last: it names the bytes of the others
     log.info("index: on-disk %s over %d x %d from %d shard(s), recall@%d %.4f -> %s", cfg.type, total, dim,
              len(shards), RECALL_K, recall, directory)
     return CatalogueIndex(index, ids, meta)
@@ -207,6 +234,14 @@ def shards_model(shards: Sequence[str | Path]) -> str:
     if len(found) != 1:
         raise ValueError(f"the shards were embedded by {len(found)} different models: re-embed them with one")
     return found.pop()
+
+
+def _id_columns(shard: Path) -> pd.DataFrame:
+    """A shard's path (and label) columns, without reading its embeddings."""
+    import pyarrow.parquet as pq
+
+    names = [n for n in pq.read_schema(shard).names if n != "embedding"]
+    return pq.read_table(shard, columns=names).to_pandas()
 
 
 def _dim(shard: Path) -> int:
