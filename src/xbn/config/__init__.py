@@ -15,6 +15,7 @@ from xbn.config.schema import (
     MEMORY_METHODS,
     DataConfig,
     EvalConfig,
+    CatalogueConfig,
     GlyphsConfig,
     IndexConfig,
     InferenceConfig,
@@ -36,8 +37,8 @@ from xbn.config.schema import (
     ValidateConfig,
 )
 
-__all__ = ["DATASETS", "DEVICES", "LAMBDA_KEY", "MEMORY_METHODS", "ConfigError", "DataConfig", "EvalConfig",
-           "GlyphsConfig", "IndexConfig", "InferenceConfig", "KalmanConfig", "LossConfig", "MemVirConfig", "MemoryConfig",
-           "ModelConfig", "MpnConfig", "Params", "RefineConfig", "RegistryConfig", "RhoConfig",
+__all__ = ["DATASETS", "DEVICES", "LAMBDA_KEY", "MEMORY_METHODS", "CatalogueConfig", "ConfigError", "DataConfig",
+           "EvalConfig", "GlyphsConfig", "IndexConfig", "InferenceConfig", "KalmanConfig", "LossConfig",
+           "MemVirConfig", "MemoryConfig", "ModelConfig", "MpnConfig", "Params", "RefineConfig", "RegistryConfig", "RhoConfig",
            "SamplerConfig", "ServeConfig", "TrackingConfig", "TrainConfig", "TuneConfig", "ValidateConfig",
            "apply_overrides", "close_matches", "flatten", "load_params"]
