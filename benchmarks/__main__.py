@@ -11,6 +11,7 @@
     python -m benchmarks methods  [--only ...] [--set ...]  (every method via dvc exp run; about 2 hours)
     python -m benchmarks retrain  [--quick] [--only fingerprint warm_start]  (issue 24: snapshot, warm start)
     python -m benchmarks train_time [--old COMMIT] [--quick]  (issue 28: xbn train, an older commit vs this one)
+    python -m benchmarks catalogue [--quick] [--images N] [--rounds R]  (issue 29: Dask workers vs xbn embed)
     python -m benchmarks all      [--quick]            (each of the above with its defaults, then the report)
     python -m benchmarks report                         (docs/benchmarks.md from the JSON files)
 
@@ -30,7 +31,8 @@ import traceback
 
 from benchmarks import provenance
 
-NAMES = ("memory", "eval", "loader", "pipeline", "grid", "gpu", "serving", "methods", "retrain", "train_time")
+NAMES = ("memory", "eval", "loader", "pipeline", "grid", "gpu", "serving", "methods", "retrain", "train_time",
+         "catalogue")
 
 
 def run(name: str, argv: list[str], allow_dirty: bool = False) -> None:
@@ -84,6 +86,10 @@ def run(name: str, argv: list[str], allow_dirty: bool = False) -> None:
         from benchmarks import train_time
 
         train_time.main(argv)
+    elif name == "catalogue":
+        from benchmarks import catalogue_bench
+
+        catalogue_bench.main(argv)
     elif name == "report":
         from benchmarks import report
 
