@@ -86,9 +86,10 @@ def _retrain(params: Params, args) -> str | None:
 
 def _catalogue(params: Params, args) -> dict:
     """The Prefect flow (pipelines/catalogue.py): the catalogue embedded on a Dask cluster, indexed, attached."""
-    from xbn.stages.catalogue import target_version
+    from xbn.stages.catalogue import check_source, target_version
 
-    target_version(params, args.model_version)  # no registry or no champion: fail before Prefect starts
+    check_source(params)  # no catalogue, no registry or no champion: fail before Prefect starts
+    target_version(params, args.model_version)
     from pipelines.catalogue import catalogue
 
     report = catalogue(args.params, args.overrides, args.model_version, args.address)

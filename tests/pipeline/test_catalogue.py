@@ -87,9 +87,9 @@ def cluster(tmp_path_factory):
     try:
         yield address, processes, workers
     finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.terminate()
+        for name, process in processes.items():
+            if process.poll() is None:  # the workers' state is thrown away: no graceful close to wait for
+                process.terminate() if name == "scheduler" else process.kill()
         for process in processes.values():
             try:
                 process.wait(15)
@@ -117,7 +117,7 @@ def registered_project(tmp_path: Path, monkeypatch, source: str):
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["data"].update(root="data/images", image_size=32, num_workers=0)
     params["model"].update(backbone="test_resnet", pretrained="none", embedding_dim=8)
-    params["tracking"]["uri"] = "sqlite:///mlflow.db"
+    params["tracking"]["uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"  # absolute: MLflow caches stores by URI
     params["catalogue"]["source"] = source
     Path("params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     loaded = load_params("params.yaml", OVERRIDES)
@@ -255,3 +255,21 @@ def test_a_remote_parquet_catalogue_goes_live_on_disk_and_serving_follows_it(tmp
     assert served.meta["ondisk"] and sorted(served.ids["path"]) == images
     assert CatalogueIndex.load(tmp_path / "catalogue/index").meta["catalogue"]["rows"] == len(images)
     assert len(list((tmp_path / "catalogue/indexes").iterdir())) == 1  # the previous index folder is gone
+
+
+def test_the_command_fails_in_one_line_before_prefect_starts(tmp_path, monkeypatch, capsys):
+    """No catalogue configured, no registry, no champion: exit 2 or 1 naming the cause, no flow run."""
+    from xbn.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    shipped = ["--params", str(ROOT / "params.yaml"), f"--set=tracking.uri=sqlite:///{tmp_path}/mlflow.db"]
+    assert main(["catalogue", *shipped]) == 2
+    assert capsys.readouterr().err.strip().endswith("catalogue.source is not set: name a folder, a CSV or a "
+                                                    "parquet of image paths (local or s3://...)")
+    source = f"--set=catalogue.source={tmp_path}"
+    assert main(["catalogue", *shipped, source, "--set=tracking.enabled=false"]) == 2
+    assert "tracking.enabled must be true" in capsys.readouterr().err
+    assert main(["catalogue", *shipped, source]) == 1
+    assert "has no version with alias 'champion'" in capsys.readouterr().err
+    assert not (tmp_path / "catalogue").exists()

@@ -13,9 +13,9 @@ from xbn.config.schema import (
     DEVICES,
     LAMBDA_KEY,
     MEMORY_METHODS,
+    CatalogueConfig,
     DataConfig,
     EvalConfig,
-    CatalogueConfig,
     GlyphsConfig,
     IndexConfig,
     InferenceConfig,
@@ -39,6 +39,6 @@ from xbn.config.schema import (
 
 __all__ = ["DATASETS", "DEVICES", "LAMBDA_KEY", "MEMORY_METHODS", "CatalogueConfig", "ConfigError", "DataConfig",
            "EvalConfig", "GlyphsConfig", "IndexConfig", "InferenceConfig", "KalmanConfig", "LossConfig",
-           "MemVirConfig", "MemoryConfig", "ModelConfig", "MpnConfig", "Params", "RefineConfig", "RegistryConfig", "RhoConfig",
-           "SamplerConfig", "ServeConfig", "TrackingConfig", "TrainConfig", "TuneConfig", "ValidateConfig",
+           "MemVirConfig", "MemoryConfig", "ModelConfig", "MpnConfig", "Params", "RefineConfig", "RegistryConfig",
+           "RhoConfig", "SamplerConfig", "ServeConfig", "TrackingConfig", "TrainConfig", "TuneConfig", "ValidateConfig",
            "apply_overrides", "close_matches", "flatten", "load_params"]

@@ -43,7 +43,7 @@ import numpy as np
 import pandas as pd
 
 from xbn.config import ConfigError, Params
-from xbn.serving.sources import read_source, rows_digest
+from xbn.serving.sources import is_remote, read_source, rows_digest
 from xbn.utils.errors import IntegrityError, RegistryError
 from xbn.utils.io import atomic_path, file_digest, write_json
 
@@ -100,19 +100,24 @@ def target_version(params: Params, version: int | None = None):
     return info
 
 
+def check_source(params: Params) -> None:
+    if params.catalogue.source is None:
+        raise ConfigError("catalogue.source is not set: name a folder, a CSV or a parquet of image paths "
+                          "(local or s3://...)")
+
+
 def plan(params: Params, version: int | None = None) -> CataloguePlan:
     """Read the catalogue, cut it into shards and write their row files (see the module docstring)."""
     from xbn.tracking.registry import CATALOGUE_TAG, INDEX_SHA_TAG, SHA_TAG
 
     cfg = params.catalogue
-    if cfg.source is None:
-        raise ConfigError("catalogue.source is not set: name a folder, a CSV or a parquet of image paths "
-                          "(local or s3://...)")
+    check_source(params)
     info = target_version(params, version)
     sha = info.tags.get(SHA_TAG)
     if not sha:
         raise IntegrityError(f"{info.name} v{info.version} records no {SHA_TAG}: its checkpoint cannot be verified")
     frame, root = read_source(cfg.source, root=cfg.root)
+    root = root if is_remote(root) else Path(root).absolute()  # workers start elsewhere
     if frame.empty:
         raise ConfigError(f"catalogue.source {cfg.source}: no images in it")
     fingerprint = rows_digest(frame)
