@@ -281,7 +281,7 @@ def _train_to_registry(params: Params, tuned: dict, decision: dict, loaded_from:
         from pipelines.catalogue import catalogue as catalogue_flow
 
         full_catalogue = catalogue_flow(*loaded_from, version=registered["version"])
-        catalogue = {"version": registered["version"], **full_catalogue["index"]}
+        catalogue = {"version": registered["version"], **(full_catalogue["index"] or {})}  # None: up to date
     else:
         catalogue = index_catalogue(params)
     markdown = summary_markdown(params) + f"\n\n**Plan:** {decision['reason']}"

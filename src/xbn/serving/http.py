@@ -5,7 +5,8 @@ loads it (model and index). The app loads at start-up and then follows the sourc
 `poll_interval_s` and on SIGHUP (when the server runs in the main thread), so a promotion or a rollback of the
 registry alias is picked up without a restart. A load that fails leaves the previous version serving.
 `LocalModelSource` serves a checkpoint file and an index folder; `RegistryModelSource` follows an alias of the
-model registry.
+model registry; its `revision()` is the version with the index attached to it, so an index attached anew to the
+same version (`xbn catalogue`) is loaded as a new version is.
 
 For people: `GET /` is one static page over this API (drop an image, see the top-k thumbnails with labels and
 scores). With a `challenger` source it also answers `POST /compare`, the champion's and the challenger's top-k
