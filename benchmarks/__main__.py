@@ -12,6 +12,7 @@
     python -m benchmarks retrain  [--quick] [--only fingerprint warm_start]  (issue 24: snapshot, warm start)
     python -m benchmarks train_time [--old COMMIT] [--quick]  (issue 28: xbn train, an older commit vs this one)
     python -m benchmarks bigindex [--quick] [--n ROWS]  (issue 29: a 10M on-disk IVF-PQ served; ~30 GB in /tmp)
+    python -m benchmarks catalogue [--quick] [--images N] [--rounds R]  (issue 29: Dask workers vs xbn embed)
     python -m benchmarks all      [--quick]            (each of the above with its defaults, then the report)
     python -m benchmarks report                         (docs/benchmarks.md from the JSON files)
 
@@ -32,7 +33,7 @@ import traceback
 from benchmarks import provenance
 
 NAMES = ("memory", "eval", "loader", "pipeline", "grid", "gpu", "serving", "methods", "retrain", "train_time",
-         "bigindex")
+         "bigindex", "catalogue")
 
 
 def run(name: str, argv: list[str], allow_dirty: bool = False) -> None:
@@ -90,6 +91,10 @@ def run(name: str, argv: list[str], allow_dirty: bool = False) -> None:
         from benchmarks import bigindex_bench
 
         bigindex_bench.main(argv)
+    elif name == "catalogue":
+        from benchmarks import catalogue_bench
+
+        catalogue_bench.main(argv)
     elif name == "report":
         from benchmarks import report
 

@@ -7,7 +7,9 @@ compares the data snapshot and the requested params with the champion's: nothing
 fine-tuned (`train.init: champion`, with a drift report of the data against the champion's), or, without a
 champion, with a model it does not fit, or on significant drift when `drift.retrain_from_pretrained`, training
 starts from pretrained weights. A failure after the retries, a promotion and a challenger held for review are
-sent to `notify.urls` (Apprise). Transient failures (a service that
+sent to `notify.urls` (Apprise). With `catalogue.source` set (and `catalogue.on_promotion`), a promoted
+champion is indexed over the whole catalogue by the catalogue flow (pipelines/catalogue.py, on a Dask cluster)
+instead of over the dataset's gallery. Transient failures (a service that
 blinked, a killed worker) are retried, and a retried `train` resumes from its last checkpoint; bad data and bad
 config are not retried, since a retry cannot fix them. A retried `train` resumes only a checkpoint that this flow
 run wrote (`models/last.pt` records it): one left by another run (`make run`, an earlier flow run, other params)
@@ -238,9 +240,10 @@ def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None
         logger.info("study %s: training with %s", tuned["study"], tuned["values"])
     # The user's own train.init (a path, or champion) wins; else the plan's choice.
     init = params.train.init if params.train.init != "pretrained" else decision["init"]
-    params = load_checked(params_path, [*overrides, f"train.init={init}"])
+    overrides = [*overrides, f"train.init={init}"]
+    params = load_checked(params_path, overrides)
     if not params.tracking.enabled:
-        return _train_to_registry(params, tuned, decision)
+        return _train_to_registry(params, tuned, decision, (params_path, overrides))
     # One MLflow run per flow run, opened with the params the model trains with: every stage task joins it
     # through the environment.
     import json
@@ -255,12 +258,13 @@ def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None
         if decision["drift"]:
             log_files(run, [params.drift.report, str(Path(params.drift.report).with_suffix(".md"))], "drift")
     try:
-        return _train_to_registry(params, tuned, decision)
+        return _train_to_registry(params, tuned, decision, (params_path, overrides))
     finally:
         os.environ.pop(PARENT_RUN_ENV, None)
 
 
-def _train_to_registry(params: Params, tuned: dict, decision: dict) -> dict:
+def _train_to_registry(params: Params, tuned: dict, decision: dict, loaded_from: tuple[str, list[str]]) -> dict:
+    """`loaded_from`: the params file and overrides `params` came from (the catalogue flow loads them again)."""
     from xbn.stages.summary import summary_markdown
 
     logger = get_run_logger()
@@ -269,7 +273,17 @@ def _train_to_registry(params: Params, tuned: dict, decision: dict) -> dict:
     metrics = evaluate_model(params)
     registered = register_model(params, {"request_hash": decision["request_hash"]} if decision["request_hash"]
                                 else {}) if params.tracking.enabled else None
-    catalogue = index_catalogue(params)
+    promoted = bool(registered) and registered["decision"] == "promoted"
+    full_catalogue = None
+    if promoted and params.catalogue.source and params.catalogue.on_promotion:
+        # The new champion serves the whole catalogue, not the dataset's gallery: until the catalogue flow has
+        # attached its index, serving keeps the previous champion (a version without an index is not loaded).
+        from pipelines.catalogue import catalogue as catalogue_flow
+
+        full_catalogue = catalogue_flow(*loaded_from, version=registered["version"])
+        catalogue = {"version": registered["version"], **(full_catalogue["index"] or {})}  # None: up to date
+    else:
+        catalogue = index_catalogue(params)
     markdown = summary_markdown(params) + f"\n\n**Plan:** {decision['reason']}"
     if decision["drift"]:
         markdown += f"\n\n**Drift:** {decision['drift']['line']} (`{params.drift.report}`)"
@@ -284,7 +298,7 @@ def _train_to_registry(params: Params, tuned: dict, decision: dict) -> dict:
         logger.info("registry: %s v%s %s: %s", registered["model_name"], registered["version"],
                     registered["decision"], registered["reason"])
     return {"retrained": True, "plan": decision, "metrics": metrics, "decision": registered, "index": catalogue,
-            "tuned": tuned}
+            "catalogue": full_catalogue, "tuned": tuned}
 
 
 def _notify_decision(params: Params, registered: dict, metrics: dict, decision: dict) -> None:

@@ -84,6 +84,21 @@ def _retrain(params: Params, args) -> str | None:
     return "\n".join(lines)
 
 
+def _catalogue(params: Params, args) -> dict:
+    """The Prefect flow (pipelines/catalogue.py): the catalogue embedded on a Dask cluster, indexed, attached."""
+    from xbn.stages.catalogue import check_source, target_version
+
+    check_source(params)  # no catalogue, no registry or no champion: fail before Prefect starts
+    target_version(params, args.model_version)
+    from pipelines.catalogue import catalogue
+
+    report = catalogue(args.params, args.overrides, args.model_version, args.address)
+    embedded = report.pop("embedded")
+    report["shards_embedded"] = len(embedded)
+    report["images_embedded"] = sum(r.get("written", 0) for r in embedded)
+    return report
+
+
 def _data(params: Params, args) -> dict:
     from xbn.stages.data import restore_data, snapshot_data
 
@@ -348,6 +363,15 @@ def build_parser() -> argparse.ArgumentParser:
     retrain.add_argument("--serve", action="store_true", help="serve the weekly schedule from this process")
     retrain.add_argument("--cron", default=None, help="the schedule for --serve (default: Mondays 03:00)")
     retrain.set_defaults(fn=_retrain)
+    catalogue = sub.add_parser("catalogue", parents=[common],
+                               help="the Prefect flow: embed catalogue.source with the champion on a Dask cluster "
+                                    "(shards, resumable), index it and attach the index to the version")
+    catalogue.add_argument("--model-version", type=_positive_int, default=None, metavar="V",
+                           help="this registry version instead of the champion")
+    catalogue.add_argument("--address", default=None, metavar="tcp://HOST:PORT",
+                           help="the Dask scheduler (default: $DASK_SCHEDULER_ADDRESS, catalogue.scheduler_address, "
+                                "else a LocalCluster of this machine's cores)")
+    catalogue.set_defaults(fn=_catalogue)
     data = sub.add_parser("data", parents=[common], help="the training data's DVC snapshots")
     data_actions = data.add_subparsers(dest="action", required=True)
     data_actions.add_parser("snapshot", help="track data.root with DVC and push it (what the retrain flow does)")

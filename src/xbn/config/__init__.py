@@ -14,6 +14,7 @@ from xbn.config.schema import (
     BATCH_KEY,
     LAMBDA_KEY,
     MEMORY_METHODS,
+    CatalogueConfig,
     DataConfig,
     EvalConfig,
     GlyphsConfig,
@@ -37,8 +38,8 @@ from xbn.config.schema import (
     ValidateConfig,
 )
 
-__all__ = ["BATCH_KEY", "DATASETS", "DEVICES", "LAMBDA_KEY", "MEMORY_METHODS", "ConfigError", "DataConfig", "EvalConfig",
-           "GlyphsConfig", "IndexConfig", "InferenceConfig", "KalmanConfig", "LossConfig", "MemVirConfig", "MemoryConfig",
-           "ModelConfig", "MpnConfig", "Params", "RefineConfig", "RegistryConfig", "RhoConfig",
-           "SamplerConfig", "ServeConfig", "TrackingConfig", "TrainConfig", "TuneConfig", "ValidateConfig",
+__all__ = ["BATCH_KEY", "DATASETS", "DEVICES", "LAMBDA_KEY", "MEMORY_METHODS", "CatalogueConfig", "ConfigError", "DataConfig",
+           "EvalConfig", "GlyphsConfig", "IndexConfig", "InferenceConfig", "KalmanConfig", "LossConfig",
+           "MemVirConfig", "MemoryConfig", "ModelConfig", "MpnConfig", "Params", "RefineConfig", "RegistryConfig",
+           "RhoConfig", "SamplerConfig", "ServeConfig", "TrackingConfig", "TrainConfig", "TuneConfig", "ValidateConfig",
            "apply_overrides", "close_matches", "flatten", "load_params"]

@@ -522,6 +522,27 @@ class IndexConfig(Section):
         return ladder
 
 
+class CatalogueConfig(Section):
+    """`xbn catalogue` (pipelines/catalogue.py): the whole catalogue re-embedded on a Dask cluster with a registry
+    version (the champion), indexed, and the index attached to that version."""
+
+    # A folder of images, a manifest-format CSV or a parquet file with a `path` (and optional `label`) column;
+    # a local path or an fsspec URL (s3://bucket/prefix). None: no catalogue configured.
+    source: str | None = None
+    root: str | None = None  # CSV/parquet sources: where their paths start (default: the file's folder)
+    shard_size: int = Field(10_000, ge=1)  # images per Dask task; a shard done by the same model is kept
+    chunk_size: int = Field(1024, ge=1)  # within a shard, what a killed worker can lose at most
+    scheduler_address: str | None = None  # tcp://host:8786; $DASK_SCHEDULER_ADDRESS wins; None: a LocalCluster
+    workers: int | None = Field(None, ge=1)  # LocalCluster only: worker processes (None: cores // threads)
+    threads_per_worker: int = Field(1, ge=1)  # torch threads each worker embeds one shard with
+    output: str = "catalogue"  # embeddings/<model>/shard-*.parquet, indexes/<catalogue>-<model>/, index ->
+    # The index is built in memory when its float32 vectors (rows x dim x 4 bytes) fit in this; else an on-disk
+    # IVF of `ondisk_type` (faiss merge_ondisk, xbn.serving.shards) with the other index.* settings.
+    memory_budget_gb: float = Field(4.0, gt=0)
+    ondisk_type: Literal["ivf_flat", "ivf_pq"] = "ivf_pq"
+    on_promotion: bool = True  # the retrain flow runs it after promoting a champion (when `source` is set)
+
+
 class ServeConfig(Section):
     """`xbn serve` and `xbn search`: the HTTP endpoint's limits and the registry alias they follow."""
 
@@ -618,6 +639,7 @@ class Params(Section):
     tune: TuneConfig = TuneConfig()
     index: IndexConfig = IndexConfig()
     serve: ServeConfig = ServeConfig()
+    catalogue: CatalogueConfig = CatalogueConfig()
     drift: DriftConfig = DriftConfig()
     notify: NotifyConfig = NotifyConfig()
 

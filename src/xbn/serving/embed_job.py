@@ -9,7 +9,6 @@ The output itself is assembled from the chunks and renamed into place, then the 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -24,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from xbn.serving.model import ServedModel
-from xbn.serving.sources import read_source
+from xbn.serving.sources import local_images, read_source, rows_digest
 from xbn.utils.io import atomic_path, write_json
 
 log = logging.getLogger(__name__)
@@ -62,9 +61,28 @@ def embed_to_parquet(
 
     `on_chunk(done, total)` is called after each chunk is safely on disk.
     """
+    frame, root = read_source(source, manifest=manifest, root=root)
+    return embed_rows_to_parquet(model, frame, root, output, chunk_size=chunk_size, batch_size=batch_size,
+                                 num_workers=num_workers, progress=progress, on_chunk=on_chunk)
+
+
+def embed_rows_to_parquet(
+    model: ServedModel,
+    frame: pd.DataFrame,
+    root: str | Path,
+    output: str | Path,
+    *,
+    chunk_size: int = 1024,
+    batch_size: int = 64,
+    num_workers: int = 0,
+    progress: bool = True,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> EmbedReport:
+    """`embed_to_parquet` of the rows `frame` (path relative to `root`, a local folder or an fsspec URL;
+    label): one shard of a catalogue (`xbn catalogue`), or a whole one."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
-    frame, root = read_source(source, manifest=manifest, root=root)
+    frame = frame.reset_index(drop=True)
     output, parts = Path(output), work_dir(output)
     with_labels = frame["label"].notna().any()
     total = -(-len(frame) // chunk_size)
@@ -75,7 +93,7 @@ def embed_to_parquet(
             "image_size": model.image_size,
             "chunk_size": chunk_size,
             "rows": len(frame),
-            "rows_sha256": _rows_digest(frame),
+            "rows_sha256": rows_digest(frame),
         },
     )
     done = [i for i in range(total) if _chunk(parts, i).exists()]
@@ -86,7 +104,8 @@ def embed_to_parquet(
         if i in done:
             continue
         rows = frame.iloc[i * chunk_size : (i + 1) * chunk_size]
-        emb, kept, skipped = model.embed_frame(rows, root, batch_size, num_workers)
+        with local_images(rows, root) as folder:
+            emb, kept, skipped = model.embed_frame(rows, folder, batch_size, num_workers)
         if skipped:
             log.warning("embed: %d unreadable image(s) left out: %s", len(skipped), ", ".join(skipped))
         table = _table(rows.iloc[kept], emb, with_labels, skipped)
@@ -155,11 +174,6 @@ def _table(rows: pd.DataFrame, emb: np.ndarray, with_labels: bool, skipped: list
 
 def _chunk(parts: Path, i: int) -> Path:
     return parts / f"chunk-{i:06d}.parquet"
-
-
-def _rows_digest(frame: pd.DataFrame) -> str:
-    text = "\n".join(f"{p}\t{l}" for p, l in zip(frame["path"], frame["label"]))
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _progress(total: int, initial: int, enabled: bool) -> Callable[[int], None]:

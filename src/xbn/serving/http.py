@@ -5,7 +5,8 @@ loads it (model and index). The app loads at start-up and then follows the sourc
 `poll_interval_s` and on SIGHUP (when the server runs in the main thread), so a promotion or a rollback of the
 registry alias is picked up without a restart. A load that fails leaves the previous version serving.
 `LocalModelSource` serves a checkpoint file and an index folder; `RegistryModelSource` follows an alias of the
-model registry.
+model registry; its `revision()` is the version with the index attached to it, so an index attached anew to the
+same version (`xbn catalogue`) is loaded as a new version is.
 
 For people: `GET /` is one static page over this API (drop an image, see the top-k thumbnails with labels and
 scores). With a `challenger` source it also answers `POST /compare`, the champion's and the challenger's top-k
@@ -80,6 +81,7 @@ class Loaded:
     index: CatalogueIndex
     name: str
     alias: str | None = None
+    revision: str | None = None  # the source's `revision()` it was loaded at (None: `version` says it all)
 
 
 class ModelSource(Protocol):
@@ -164,6 +166,16 @@ class RegistryModelSource:
         info = self.info()
         return None if info is None else str(info.version)
 
+    def revision(self) -> str | None:
+        """The version and the index attached to it: a catalogue re-indexed for the same version (`xbn
+        catalogue`) is a new revision, which the holder loads as it loads a new version."""
+        info = self.info()
+        return None if info is None else self._revision(info)
+
+    def _revision(self, info: Any) -> str:
+        digest = getattr(self.registry, "index_digest", lambda _: None)(info)
+        return f"{info.version}/{digest}" if digest else str(info.version)
+
     def load_model(self) -> tuple[Any, ServedModel]:
         """(version info, its embedder), without the index (what the batch embedding job needs)."""
         info = self.info()
@@ -183,15 +195,17 @@ class RegistryModelSource:
             CatalogueIndex.load(self.fetch_index(info, self._dir(info))),
             self.registry.name,
             None if self.pinned is not None else self.alias,
+            self._revision(info),
         )
 
     def _dir(self, info: Any) -> Path:
         return self.cache_dir / f"v{info.version}"
 
 
-def _loaded(version: str, model: ServedModel, index: CatalogueIndex, name: str, alias: str | None) -> Loaded:
+def _loaded(version: str, model: ServedModel, index: CatalogueIndex, name: str, alias: str | None,
+            revision: str | None = None) -> Loaded:
     index.check_model(model.sha256)  # never serve an index with a model that did not embed it
-    return Loaded(version, model, index, name, alias)
+    return Loaded(version, model, index, name, alias, revision)
 
 
 class Holder:
@@ -211,11 +225,12 @@ class Holder:
         with self._lock:
             self.absent = False
             try:
-                version = self.source.version()
+                # A source with revisions (the registry: version and attached index) is compared by them.
+                version = getattr(self.source, "revision", self.source.version)()
                 self.absent = version is None
                 if version is None:
                     raise LookupError("the model source has no version to serve")
-                if self.current is not None and version == self.current.version:
+                if self.current is not None and version == (self.current.revision or self.current.version):
                     return False
                 loaded = self.source.load()
             except Exception as exc:  # noqa: BLE001 -- any failure: keep serving what is loaded, /health shows it

@@ -1,16 +1,22 @@
-"""Where a catalogue's images come from: the manifest's test gallery, a folder, or a manifest-format CSV.
+"""Where a catalogue's images come from: the manifest's test gallery, a folder, a manifest-format CSV, or a
+parquet file of paths; the last three local or at an fsspec URL (`s3://bucket/prefix`, `gs://...`).
 
 Every source becomes the same thing, a frame of `path` (relative to a root) and `label` (None when unknown)
-plus that root, so embedding, indexing and the batch job read one shape.
+plus that root, so embedding, indexing and the batch job read one shape. A remote root stays a URL string;
+`local_images` brings a batch of its rows to a local folder for the image loader.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
 
-from xbn.data import read_manifest
+from xbn.data import read_manifest, safe_relative_path
 from xbn.data.errors import DatasetError
 
 # The extensions a folder source picks up (case-insensitive); anything else in the folder is ignored.
@@ -29,21 +35,31 @@ def gallery_rows(manifest: pd.DataFrame) -> pd.DataFrame:
     return rows
 
 
+def is_remote(location: str | Path) -> bool:
+    """Whether `location` is an fsspec URL of another filesystem than the local one (file:// is local)."""
+    text = str(location)
+    return "://" in text and not text.startswith("file://")
+
+
 def read_source(
     source: str | Path, *, manifest: str | Path | None = None, root: str | Path | None = None
-) -> tuple[pd.DataFrame, Path]:
+) -> tuple[pd.DataFrame, Path | str]:
     """(frame with `path`, `label`, root) for a catalogue source.
 
     - `"test"`: the gallery of the manifest at `manifest`, paths relative to `root` (`data.root`);
     - a folder: every image file under it, recursively, sorted, paths relative to the folder, no labels;
-    - a CSV in the manifest format (`path,label,split`; every split is taken): paths relative to `root`
-      when given, else to the CSV's folder.
+    - a CSV in the manifest format (`path,label,split`; every split is taken), or a parquet file with a
+      `path` column (and optionally `label`): paths relative to `root` when given, else to the file's folder.
+
+    The last three may be fsspec URLs; the root is then a URL string too.
     """
     if str(source) == "test":
         if manifest is None or root is None:
             raise ValueError("source 'test' needs the manifest and the dataset root")
         return _columns(gallery_rows(read_manifest(manifest))), Path(root)
-    path = Path(source)
+    if is_remote(source) or (root is not None and is_remote(root)):
+        return _remote_source(str(source), root)
+    path = Path(str(source).removeprefix("file://"))
     if path.is_dir():
         files = sorted(
             p.relative_to(path).as_posix()
@@ -54,8 +70,79 @@ def read_source(
             raise DatasetError(f"{path}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))}) under it")
         return pd.DataFrame({"path": files, "label": pd.Series([None] * len(files), dtype=object)}), path
     if path.is_file():
-        return _columns(read_manifest(path)), Path(root) if root is not None else path.parent
-    raise DatasetError(f"catalogue source {source!r} is neither 'test', a folder nor a CSV file")
+        rows = read_path_table(path) if path.suffix.lower() == ".parquet" else read_manifest(path)
+        return _columns(rows), Path(root) if root is not None else path.parent
+    raise DatasetError(f"catalogue source {source!r} is neither 'test', a folder, a CSV nor a parquet file")
+
+
+def read_path_table(path: str | Path, storage_options: dict | None = None) -> pd.DataFrame:
+    """A parquet file's `path` (checked as a manifest's paths are) and `label` (None when it has none)."""
+    try:
+        table = pd.read_parquet(path, storage_options=storage_options)
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"cannot read parquet file {path}: {exc}") from None
+    if "path" not in table.columns:
+        raise DatasetError(f"{path}: no 'path' column (columns: {list(table.columns)})")
+    paths = [safe_relative_path(str(p), path, i + 1) for i, p in enumerate(table["path"])]
+    labels = table["label"] if "label" in table.columns else [None] * len(paths)
+    return pd.DataFrame({"path": paths,
+                         "label": pd.Series([None if pd.isna(v) else str(v) for v in labels], dtype=object)})
+
+
+def _remote_source(source: str, root: str | Path | None) -> tuple[pd.DataFrame, str]:
+    import fsspec
+
+    fs, where = fsspec.core.url_to_fs(source)
+    if fs.isdir(where):
+        prefix = where.rstrip("/") + "/"
+        files = sorted(p[len(prefix):] for p in fs.find(where) if Path(p).suffix.lower() in IMAGE_SUFFIXES)
+        if not files:
+            raise DatasetError(f"{source}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))}) under it")
+        return pd.DataFrame({"path": files, "label": pd.Series([None] * len(files), dtype=object)}), \
+            source.rstrip("/")
+    if not fs.isfile(where):
+        raise DatasetError(f"catalogue source {source!r}: no such folder or file")
+    if where.lower().endswith(".parquet"):
+        with fs.open(where, "rb") as fh:
+            frame = read_path_table(fh)
+    else:  # the manifest reader takes a local file: the CSV is copied first, its errors still name the URL
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp) / Path(where).name
+            fs.get(where, str(local))
+            try:
+                frame = read_manifest(local)
+            except DatasetError as exc:
+                raise DatasetError(str(exc).replace(str(local), source)) from None
+    return _columns(frame), str(root) if root is not None else source.rsplit("/", 1)[0]
+
+
+@contextlib.contextmanager
+def local_images(rows: pd.DataFrame, root: str | Path) -> Iterator[Path]:
+    """A local folder holding `rows`' images: `root` itself when local; for a remote root, a temp folder the
+    rows' files are fetched into (removed afterwards). A file that cannot be fetched is left out, so the
+    loader reports it unreadable like any other."""
+    if not is_remote(root):
+        yield Path(str(root).removeprefix("file://"))
+        return
+    import fsspec
+
+    fs, base = fsspec.core.url_to_fs(str(root))
+    wanted = {f"{base.rstrip('/')}/{p}": p for p in rows["path"].astype(str)}
+    fetched = fs.cat(list(wanted), on_error="omit")  # concurrent on object stores (s3fs, gcsfs)
+    with tempfile.TemporaryDirectory(prefix="xbn-images-") as tmp:
+        for remote, data in fetched.items():
+            if isinstance(data, bytes):
+                local = Path(tmp) / wanted[remote]
+                local.parent.mkdir(parents=True, exist_ok=True)
+                local.write_bytes(data)
+        yield Path(tmp)
+
+
+def rows_digest(frame: pd.DataFrame) -> str:
+    """sha256 of a catalogue's rows (path, label, in order): what a shard or a whole catalogue is made of.
+    An image replaced under the same name is not seen: content-addressed names are."""
+    text = "\n".join(f"{p}\t{l}" for p, l in zip(frame["path"], frame["label"]))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def source_root(source: str | Path, root: str | Path | None = None) -> Path:

@@ -72,6 +72,8 @@ INDEX_ARTIFACT, ONNX_ARTIFACT = "index", "onnx"
 INDEX_SHA_TAG = "index_sha256"  # of the folder's index.json, which names the sha256 of the other files
 INDEX_META = "index.json"
 INDEX_RECALL_TAG = "index_recall_at_10"  # the index's recall@10 against exact search
+# `xbn catalogue`'s record: "<sha256 of the catalogue's rows>:<index_sha256 of the index built from them>"
+CATALOGUE_TAG = "catalogue_fingerprint"
 ONNX_SHA_TAG = "onnx_sha256"
 
 
@@ -188,24 +190,38 @@ class Registry:
         size = (info.metadata or {}).get("image_size")
         return RegisteredCheckpoint(path, int(size) if size else None)
 
-    def log_index(self, version: ModelVersionInfo, directory: str | Path, recall: float) -> None:
+    def log_index(self, version: ModelVersionInfo, directory: str | Path, recall: float,
+                  tags: Mapping[str, str] | None = None) -> None:
         """Attach the catalogue index folder `directory` (its `index.json` names the other files' sha256) to
         `version`, so that moving an alias to the version moves its index with it; a later call (an appended
-        index) replaces it. The tags are set after the upload: a reader never finds a tag without its files."""
+        index, a re-embedded catalogue) replaces it. Each index is uploaded beside the others, under
+        `index/<sha256 of its index.json>/`, and goes live when the tag naming that digest is set: one tag
+        write, so a reader finds the previous index or the new one whole, never a mix. `tags`: more version
+        tags, set after it (e.g. the catalogue's fingerprint)."""
         directory = Path(directory)
         digest = file_digest(directory / INDEX_META)
-        self.client.log_model_artifacts(self._logged_model(version), str(directory), INDEX_ARTIFACT)
-        self.set_tags(version.version, {INDEX_SHA_TAG: digest, INDEX_RECALL_TAG: f"{recall:.4f}"})
+        self.client.log_model_artifacts(self._logged_model(version), str(directory), f"{INDEX_ARTIFACT}/{digest}")
+        self.set_tags(version.version, {INDEX_SHA_TAG: digest, INDEX_RECALL_TAG: f"{recall:.4f}", **(tags or {})})
+
+    def index_digest(self, version: ModelVersionInfo) -> str | None:
+        """The sha256 of the index.json of the index attached to `version` (None: none attached)."""
+        return version.tags.get(INDEX_SHA_TAG)
 
     def fetch_index(self, version: ModelVersionInfo, dst_dir: str | Path) -> Path:
-        """Download `version`'s index folder into `dst_dir/index` and verify its `index.json` against the tag
-        (the loader then checks the other files against `index.json`); what `RegistryModelSource` calls."""
+        """Download `version`'s index folder into `dst_dir` and verify its `index.json` against the tag (the
+        loader then checks the other files against `index.json`); what `RegistryModelSource` calls. Each
+        index lands in its own folder (`index/<digest>`), so a newer one never overwrites files a running
+        server has memory-mapped."""
         expected = version.tags.get(INDEX_SHA_TAG)
         if not expected:
             raise LookupError(f"{self.name} v{version.version} has no catalogue index: run `xbn index` with "
                               f"its model (models/model.pt of that version) to build and attach one")
+        artifact = f"{INDEX_ARTIFACT}/{expected}"
+        listed = self.client.list_logged_model_artifacts(self._logged_model(version), INDEX_ARTIFACT)
+        if artifact not in {f.path for f in listed}:
+            artifact = INDEX_ARTIFACT  # attached before indexes were kept by digest: the files are in index/
         path = Path(mlflow.artifacts.download_artifacts(
-            artifact_uri=f"models:/{self.name}/{version.version}/{INDEX_ARTIFACT}", dst_path=str(dst_dir),
+            artifact_uri=f"models:/{self.name}/{version.version}/{artifact}", dst_path=str(dst_dir),
             tracking_uri=self.uri))
         verify_file(path / INDEX_META, expected, what=f"the index of {self.name} v{version.version}")
         return path
