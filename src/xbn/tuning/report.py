@@ -79,11 +79,8 @@ def batch_verdict(complete: list[FrozenTrial], base: Params, batch: Dimension) -
 def memory_verdict(complete: list[FrozenTrial], base: Params) -> str:
     """One sentence: does a memory help on this data? The best complete trial with a memory against the best
     without one (`memory.method` is in the default space, with `none` among its choices)."""
-    def method(t: FrozenTrial) -> str:
-        return _method(t, base)
-
-    without = max((t for t in complete if method(t) == "none"), key=lambda t: t.value, default=None)
-    with_memory = max((t for t in complete if method(t) != "none"), key=lambda t: t.value, default=None)
+    without = max((t for t in complete if _method(t, base) == "none"), key=lambda t: t.value, default=None)
+    with_memory = max((t for t in complete if _method(t, base) != "none"), key=lambda t: t.value, default=None)
     if without is None or with_memory is None:
         missing = "without a memory (memory.method=none)" if without is None else "with a memory"
         return (f"No complete trial {missing} to compare with: put `none` and a memory method in "
@@ -91,7 +88,7 @@ def memory_verdict(complete: list[FrozenTrial], base: Params) -> str:
     a, b = with_memory.value, without.value
     verdict = "helps" if a > b else "does not help" if a < b else "makes no difference"
     return (f"A memory {verdict} on this data: the best memory trial (#{with_memory.number}, "
-            f"{method(with_memory)}) reached validation {OBJECTIVE} {a:.4f}, the best trial without one "
+            f"{_method(with_memory, base)}) reached validation {OBJECTIVE} {a:.4f}, the best trial without one "
             f"(#{without.number}) {b:.4f} ({a - b:+.4f}; one trial each, so a small difference may be noise).")
 
 
