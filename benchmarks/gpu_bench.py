@@ -7,7 +7,10 @@ data.image_size=224 train.device=cuda train.amp=true train.channels_last=true`, 
 params.yaml) on the generated glyph set (rendered at 224 px). Two rates, images/s:
   synthetic  one batch already on the GPU, reused: the model + loss + optimizer alone
   real       the training loader feeding the GPU (decode, augment, pin, copy), as in `Trainer._train_epoch`
-Their ratio says whether the input pipeline keeps the GPU busy. Without CUDA it writes `status: not run`.
+Their ratio says whether the input pipeline keeps the GPU busy. `variants` gives the synthetic rate of the same
+model in fp32 NCHW, bf16 NCHW and bf16 channels_last (issue 28: is each choice faster on a GPU too?), and
+`channels_last_auto` what `train.channels_last=auto`'s start-up probe chose. Without CUDA it writes
+`status: not run`.
 """
 
 from __future__ import annotations
@@ -52,6 +55,20 @@ def _cycle(loader):
         yield from loader
 
 
+def _variants(trainer, batch, steps: int, warmup: int) -> dict[str, float]:
+    """Synthetic images/s with autocast and memory format switched on the one trainer, then restored."""
+    amp, channels_last = trainer.amp, trainer.channels_last
+    rates = {}
+    for name, use_amp, use_cl in (("fp32_nchw", False, False), ("bf16_nchw", True, False),
+                                  ("bf16_channels_last", True, True)):
+        trainer.amp, trainer.channels_last = use_amp, use_cl
+        trainer.model.to(memory_format=torch.channels_last if use_cl else torch.contiguous_format)
+        rates[name] = round(_rate(trainer, _repeat(batch), steps, warmup), 1)
+    trainer.amp, trainer.channels_last = amp, channels_last
+    trainer.model.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    return rates
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -76,26 +93,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.backends.cudnn.benchmark = True
     overrides = ["model.backbone=resnet50", "model.pretrained=none", "data.image_size=224",
                  "data.glyphs.image_size=224", f"data.num_workers={args.num_workers}", "train.device=cuda",
-                 "train.amp=true", "train.channels_last=true", f"train.batch_size={args.batch}"]
+                 "train.amp=true", "train.channels_last=auto", f"train.batch_size={args.batch}"]
     with tempfile.TemporaryDirectory(prefix="xbn_gpu_") as tmp:
         trainer, params, _ = build_trainer(Path(tmp), overrides)
         first = next(iter(trainer.loader))
         images, labels = first[0].cuda(), first[1].cuda()
         synthetic = _rate(trainer, _repeat((images, labels)), args.steps, args.warmup)
         real = _rate(trainer, _cycle(trainer.loader), args.steps, args.warmup)
+        variants = _variants(trainer, (images, labels), args.steps, args.warmup)
     result = {
         "benchmark": "training throughput on a GPU", "command": command.strip(),
         "machine": info | {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda},
         "status": "ok", "loadavg": os.getloadavg(),
         "settings": {"backbone": "resnet50", "image_size": 224, "batch": args.batch, "amp": "bfloat16",
-                     "channels_last": True, "num_workers": args.num_workers, "steps": args.steps,
+                     "channels_last": trainer.channels_last, "num_workers": args.num_workers, "steps": args.steps,
                      "memory": params.memory.method},
         "synthetic_images_per_s": round(synthetic, 1), "real_images_per_s": round(real, 1),
         "real_to_synthetic_ratio": round(real / synthetic, 3),
+        "channels_last_auto": trainer.memory_format, "variants": variants,
         "peak_gpu_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2),
     }
     write_result(args.output, result)
-    print(f"synthetic {synthetic:.1f} img/s, real {real:.1f} img/s, ratio {real / synthetic:.3f}")
+    print(f"synthetic {synthetic:.1f} img/s, real {real:.1f} img/s, ratio {real / synthetic:.3f}; {variants}; "
+          f"auto: {trainer.memory_format}")
     return result
 
 

@@ -212,6 +212,13 @@ def gpu_section(data: dict[str, Any] | None) -> str:
                                                    ["real", data["real_images_per_s"]]]), "",
             f"real / synthetic = {data['real_to_synthetic_ratio']}; peak GPU memory {data['peak_gpu_memory_gb']} GB.",
             ""]
+    if variants := data.get("variants"):
+        auto = data["channels_last_auto"]
+        out += ["Synthetic images/s of the same step in each precision and memory format (one run):", "",
+                markdown_table(["variant", "images/s", "vs fp32 NCHW"],
+                               [[name, rate, f"{rate / variants['fp32_nchw']:.2f}x"] for name, rate in variants.items()]),
+                "", f"`train.channels_last=auto` chose channels_last = {auto['channels_last']} "
+                f"({', '.join(f'{k} {v}' for k, v in auto.items() if k != 'channels_last')}).", ""]
     return "\n".join(out)
 
 
