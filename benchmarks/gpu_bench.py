@@ -8,7 +8,8 @@ params.yaml) on the generated glyph set (rendered at 224 px). Two rates, images/
   synthetic  one batch already on the GPU, reused: the model + loss + optimizer alone
   real       the training loader feeding the GPU (decode, augment, pin, copy), as in `Trainer._train_epoch`
 Their ratio says whether the input pipeline keeps the GPU busy. `variants` gives the synthetic rate of the same
-model in fp32 NCHW, bf16 NCHW and bf16 channels_last (issue 28: is each choice faster on a GPU too?), and
+model in fp32 NCHW, bf16 NCHW and bf16 channels_last, interleaved over `--rounds` rounds (issue 28: is each
+choice faster on a GPU too?), and
 `channels_last_auto` what `train.channels_last=auto`'s start-up probe chose. Without CUDA it writes
 `status: not run`.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -55,18 +57,26 @@ def _cycle(loader):
         yield from loader
 
 
-def _variants(trainer, batch, steps: int, warmup: int) -> dict[str, float]:
-    """Synthetic images/s with autocast and memory format switched on the one trainer, then restored."""
+VARIANTS = {"fp32_nchw": (False, False), "bf16_nchw": (True, False), "bf16_channels_last": (True, True)}
+
+
+def _variants(trainer, batch, steps: int, warmup: int, rounds: int) -> dict[str, dict[str, Any]]:
+    """Synthetic images/s with autocast and memory format switched on the one trainer, in `rounds` interleaved
+    rounds (a drift of the GPU's clock or of the host hits every variant alike); each variant's median, and its
+    ratio to fp32 NCHW in each round. The trainer's own settings are restored afterwards."""
     amp, channels_last = trainer.amp, trainer.channels_last
-    rates = {}
-    for name, use_amp, use_cl in (("fp32_nchw", False, False), ("bf16_nchw", True, False),
-                                  ("bf16_channels_last", True, True)):
-        trainer.amp, trainer.channels_last = use_amp, use_cl
-        trainer.model.to(memory_format=torch.channels_last if use_cl else torch.contiguous_format)
-        rates[name] = round(_rate(trainer, _repeat(batch), steps, warmup), 1)
+    rates: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for _ in range(rounds):
+        for name, (use_amp, use_cl) in VARIANTS.items():
+            trainer.amp, trainer.channels_last = use_amp, use_cl
+            trainer.model.to(memory_format=torch.channels_last if use_cl else torch.contiguous_format)
+            rates[name].append(_rate(trainer, _repeat(batch), steps, warmup))
     trainer.amp, trainer.channels_last = amp, channels_last
     trainer.model.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    return rates
+    base = rates["fp32_nchw"]
+    return {name: {"median_images_per_s": round(statistics.median(r), 1),
+                   "vs_fp32_nchw_per_round": [round(a / b, 3) for a, b in zip(r, base)]}
+            for name, r in rates.items()}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -75,11 +85,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the precision/format variants")
     parser.add_argument("--quick", action="store_true", help="5 steps")
     parser.add_argument("--output", default="gpu")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.warmup = 5, 2
+        args.steps, args.warmup, args.rounds = 5, 2, 1
     command = "python -m benchmarks gpu " + " ".join(sys.argv[2:] if argv is None else argv)
     info = machine_info(PACKAGES)
     if not torch.cuda.is_available():
@@ -100,13 +111,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         images, labels = first[0].cuda(), first[1].cuda()
         synthetic = _rate(trainer, _repeat((images, labels)), args.steps, args.warmup)
         real = _rate(trainer, _cycle(trainer.loader), args.steps, args.warmup)
-        variants = _variants(trainer, (images, labels), args.steps, args.warmup)
+        variants = _variants(trainer, (images, labels), args.steps, args.warmup, args.rounds)
     result = {
         "benchmark": "training throughput on a GPU", "command": command.strip(),
         "machine": info | {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda},
         "status": "ok", "loadavg": os.getloadavg(),
         "settings": {"backbone": "resnet50", "image_size": 224, "batch": args.batch, "amp": "bfloat16",
-                     "channels_last": trainer.channels_last, "num_workers": args.num_workers, "steps": args.steps,
+                     "channels_last": trainer.channels_last, "num_workers": args.num_workers, "steps": args.steps, "variant_rounds": args.rounds,
                      "memory": params.memory.method},
         "synthetic_images_per_s": round(synthetic, 1), "real_images_per_s": round(real, 1),
         "real_to_synthetic_ratio": round(real / synthetic, 3),

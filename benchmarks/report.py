@@ -64,7 +64,9 @@ def _header(data: dict[str, Any], commits: list[str] | None = None) -> str:
     m = p["machine"]
     dirty = (f", **dirty tree** ({len(p['dirty_paths'])} files differed from the commit)" if p["dirty"]
              else ", clean tree")
-    gpu = f", GPU {data['gpu']}" if data.get("gpu") else ""
+    gpu_name = data.get("gpu") or data.get("machine", {}).get("gpu")  # the gpu benchmark keeps it with the machine
+    gpu = f", GPU {gpu_name} (CUDA {data['machine'].get('cuda')})" if gpu_name and "machine" in data else (
+        f", GPU {gpu_name}" if gpu_name else "")
     return (f"- command: `{p['command']}`\n"
             f"- results: `{data['_file']}`, {p['started_utc']} to {p['finished_utc']}, {where}{dirty}\n"
             f"- load average over one minute: {p['loadavg_1min_before']} before, {p['loadavg_1min_after']} after\n"
@@ -214,9 +216,11 @@ def gpu_section(data: dict[str, Any] | None) -> str:
             ""]
     if variants := data.get("variants"):
         auto = data["channels_last_auto"]
-        out += ["Synthetic images/s of the same step in each precision and memory format (one run):", "",
-                markdown_table(["variant", "images/s", "vs fp32 NCHW"],
-                               [[name, rate, f"{rate / variants['fp32_nchw']:.2f}x"] for name, rate in variants.items()]),
+        out += [f"Synthetic images/s of the same step in each precision and memory format, "
+                f"{cfg['variant_rounds']} interleaved rounds:", "",
+                markdown_table(["variant", "median images/s", "vs fp32 NCHW, each round"],
+                               [[name, v["median_images_per_s"], ", ".join(f"{r:.2f}" for r in v["vs_fp32_nchw_per_round"])]
+                                for name, v in variants.items()]),
                 "", f"`train.channels_last=auto` chose channels_last = {auto['channels_last']} "
                 f"({', '.join(f'{k} {v}' for k, v in auto.items() if k != 'channels_last')}).", ""]
     return "\n".join(out)
