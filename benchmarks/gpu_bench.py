@@ -9,7 +9,8 @@ params.yaml) on the generated glyph set (rendered at 224 px). Two rates, images/
   real       the training loader feeding the GPU (decode, augment, pin, copy), as in `Trainer._train_epoch`
 Their ratio says whether the input pipeline keeps the GPU busy. `variants` gives the synthetic rate of the same
 model in fp32 NCHW, bf16 NCHW and bf16 channels_last, interleaved over `--rounds` rounds (issue 28: is each
-choice faster on a GPU too?), and
+choice faster on a GPU too?); `inference` the same for the embedder's forward pass, and what
+`inference.*: auto` chose., and
 `channels_last_auto` what `train.channels_last=auto`'s start-up probe chose. Without CUDA it writes
 `status: not run`.
 """
@@ -79,6 +80,40 @@ def _variants(trainer, batch, steps: int, warmup: int, rounds: int) -> dict[str,
             for name, r in rates.items()}
 
 
+@torch.inference_mode()
+def _inference_variants(model: torch.nn.Module, images: torch.Tensor, rounds: int, passes: int = 20) -> dict:
+    """Forward-pass images/s of the embedder in each (format, precision), interleaved over `rounds` rounds, and
+    what `inference.channels_last/precision: auto` choose on this device (`xbn.evaluation.inference`)."""
+    from xbn.evaluation.inference import InferenceMode, choose_inference_mode
+
+    was_training = model.training
+    model.eval()
+    rates: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for (channels_last, bf16) in ((False, False), (False, True), (True, True)):
+            mode = InferenceMode(channels_last, bf16)
+            x = mode.inputs(images)
+            mode.prepare(model)
+            with mode.autocast(images.device):
+                model(x)  # first call of this format: cuDNN's kernel choice
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(passes):
+                    model(x)
+                torch.cuda.synchronize()
+            name = f"{'bf16' if bf16 else 'fp32'}_{'channels_last' if channels_last else 'nchw'}"
+            rates.setdefault(name, []).append(passes * len(images) / (time.perf_counter() - start))
+    model.to(memory_format=torch.contiguous_format)
+    chosen = choose_inference_mode(model, images.device, images.shape[-1])
+    model.train(was_training)
+    base = rates["fp32_nchw"]
+    return {"batch": len(images), "chosen": {"channels_last": chosen.channels_last, "bf16": chosen.bf16,
+                                             "chosen_by": chosen.chosen_by, **chosen.record()},
+            **{name: {"median_images_per_s": round(statistics.median(r), 1),
+                      "vs_fp32_nchw_per_round": [round(a / b, 3) for a, b in zip(r, base)]}
+               for name, r in rates.items()}}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -112,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         synthetic = _rate(trainer, _repeat((images, labels)), args.steps, args.warmup)
         real = _rate(trainer, _cycle(trainer.loader), args.steps, args.warmup)
         variants = _variants(trainer, (images, labels), args.steps, args.warmup, args.rounds)
+        inference = _inference_variants(trainer.model, images, args.rounds)
     result = {
         "benchmark": "training throughput on a GPU", "command": command.strip(),
         "machine": info | {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda},
@@ -121,12 +157,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "memory": params.memory.method},
         "synthetic_images_per_s": round(synthetic, 1), "real_images_per_s": round(real, 1),
         "real_to_synthetic_ratio": round(real / synthetic, 3),
-        "channels_last_auto": trainer.memory_format, "variants": variants,
+        "channels_last_auto": trainer.memory_format, "variants": variants, "inference": inference,
         "peak_gpu_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2),
     }
     write_result(args.output, result)
     print(f"synthetic {synthetic:.1f} img/s, real {real:.1f} img/s, ratio {real / synthetic:.3f}; {variants}; "
-          f"auto: {trainer.memory_format}")
+          f"auto: {trainer.memory_format}; inference {inference}")
     return result
 
 

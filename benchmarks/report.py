@@ -223,6 +223,14 @@ def gpu_section(data: dict[str, Any] | None) -> str:
                                 for name, v in variants.items()]),
                 "", f"`train.channels_last=auto` chose channels_last = {auto['channels_last']} "
                 f"({', '.join(f'{k} {v}' for k, v in auto.items() if k != 'channels_last')}).", ""]
+    if inference := data.get("inference"):
+        chosen = inference["chosen"]
+        out += [f"The embedder's forward pass (inference), batch {inference['batch']}, same rounds:", "",
+                markdown_table(["variant", "median images/s", "vs fp32 NCHW, each round"],
+                               [[name, v["median_images_per_s"], ", ".join(f"{r:.2f}" for r in v["vs_fp32_nchw_per_round"])]
+                                for name, v in inference.items() if isinstance(v, dict) and "median_images_per_s" in v]),
+                "", f"`inference.*: auto` chose {'bf16' if chosen['bf16'] else 'fp32'}, "
+                f"{'channels_last' if chosen['channels_last'] else 'NCHW'} ({chosen['chosen_by']}).", ""]
     return "\n".join(out)
 
 

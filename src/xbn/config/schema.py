@@ -312,7 +312,7 @@ class InferenceConfig(Section):
     # auto: bfloat16 autocast where the CPU has native bf16 (AVX512-BF16, AMX) and a start-up probe measures it
     # faster, and on CUDA; float32 / bfloat16 force it. Embeddings stay within cosine 0.999 of float32.
     precision: Literal["auto", "float32", "bfloat16"] = "auto"
-    # auto: channels_last where the probe measures it faster (on CUDA always); true / false force it.
+    # auto: channels_last where the probe measures it faster (on CUDA too); true / false force it.
     channels_last: Literal["auto"] | bool = Field("auto", union_mode="left_to_right")
 
 

@@ -5,7 +5,8 @@ On one AVX512-BF16 CPU, tf_efficientnet_lite0 at 224 px embedded 32 img/s in NCH
 and 80 in channels_last under bfloat16 autocast; on an AVX2 CPU bfloat16 is emulated and several times slower.
 So `inference.precision: auto` uses bfloat16 only where the CPU reports native bf16 (`xbn.utils.cpu`) and a
 start-up probe on the model itself measures it faster, and `inference.channels_last: auto` converts where the
-probe says so. On CUDA, auto means channels_last and bfloat16 autocast (as training's `train.amp`).
+probe says so. On CUDA, auto means bfloat16 autocast (as training's `train.amp`) and the format the probe measures
+faster (on a batch of 32 there: a GPU timed on 2 images measures kernel launches).
 
 auto keeps bfloat16 only while its embeddings stay within cosine 0.999 of float32, on the probe's images and then
 on the first real batch (`run`); whole-network bf16 autocast of the shipped backbone falls short on glyphs
@@ -29,6 +30,7 @@ from xbn.utils import cpu
 
 log = logging.getLogger(__name__)
 PROBE_PIXELS = 32768  # the probe's batch holds about this many pixels (8 images at 64 px, 2 at 224 px), 2 to 8
+CUDA_PROBE_BATCH = 32
 PROBE_ROUNDS = 3  # timed forward passes per candidate, after one untimed round
 FORMAT_MARGIN = 1.05  # channels_last must beat the default format by this much (ties keep NCHW)
 PRECISION_MARGIN = cpu.MARGIN  # bfloat16 must beat float32 by this much: a near tie is not worth its rounding
@@ -98,14 +100,13 @@ def choose_inference_mode(model: nn.Module, device: torch.device, image_size: in
         precisions, why = [False, True], "auto: probe"
     else:
         precisions, why = [False], "auto: no native bf16 on this CPU"
-    if channels_last != "auto":
-        formats = [bool(channels_last)]
-    else:
-        formats = [True] if device.type == "cuda" else [False, True]
-    # bf16 in NCHW is left out when the format is free: it was never the fastest, and at 32 px oneDNN ran it at
-    # 1/30 of float32's speed (a 9 s probe).
+    # The format is measured on every device: on an H100 a bf16 ResNet-50 ran faster in NCHW than in
+    # channels_last (benchmarks/results/gpu.json), against the common advice.
+    formats = [bool(channels_last)] if channels_last != "auto" else [False, True]
+    # On the CPU bf16 in NCHW is left out when the format is free: it was never the fastest, and at 32 px oneDNN
+    # ran it at 1/30 of float32's speed (a 9 s probe). cuDNN's bf16 NCHW kernels have no such hole.
     candidates = tuple((fmt, bf16) for bf16 in precisions for fmt in formats
-                       if not (bf16 and not fmt and len(formats) > 1))
+                       if not (bf16 and not fmt and len(formats) > 1 and device.type == "cpu"))
     if len(candidates) == 1:
         mode = InferenceMode(*candidates[0], chosen_by=why)
         _log_once(mode.describe())
@@ -166,7 +167,7 @@ def probe(model: nn.Module, device: torch.device, image_size: int,
     of a bf16 candidate's output to the first float32 candidate's, None without both). One untimed round
     (kernel selection, first-call costs), then PROBE_ROUNDS rounds that time each candidate in turn, best round
     kept, so a burst of load elsewhere hits every candidate alike. The model's memory format is restored after."""
-    batch = max(2, min(8, round(PROBE_PIXELS / image_size**2)))
+    batch = CUDA_PROBE_BATCH if device.type == "cuda" else max(2, min(8, round(PROBE_PIXELS / image_size**2)))
     images = probe_images(batch, image_size, device)
     was_training = model.training
     model.eval()

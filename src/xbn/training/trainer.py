@@ -157,10 +157,10 @@ class Trainer:
         # Every rank takes rank 0's choice: one memory format across the process group.
         self.channels_last, self.memory_format = distributed.broadcast_from_main(
             choose_channels_last(p.train.channels_last, self.model, self.device, p.train.batch_size,
-                                 p.data.image_size) if self.is_main else None)
+                                 p.data.image_size, self.amp) if self.is_main else None)
         if self.is_main and p.train.channels_last == "auto":
             log.info("train.channels_last=auto: %s (%s)", self.channels_last, ", ".join(
-                f"{k} {v}" for k, v in self.memory_format.items() if k.startswith("probe_")) or "CUDA")
+                f"{k} {v}" for k, v in self.memory_format.items() if k.startswith("probe_")))
         if self.channels_last:
             self.model.to(memory_format=torch.channels_last)
         mean, std = self.data_config["mean"], self.data_config["std"]
