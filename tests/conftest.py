@@ -45,3 +45,9 @@ def tiny_params(tmp_path, glyph_root, monkeypatch):
         return load_params(ROOT / "params.yaml", [*TINY, f"data.root={glyph_root}", *overrides])
 
     return make
+
+
+def pytest_collection_modifyitems(config, items):
+    """The `slow` tests first: xdist hands tests out in collection order, so a 3-minute end-to-end test that
+    starts last leaves the other worker idle at the end (make test's wall time is the busier worker's)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order
