@@ -164,8 +164,10 @@ def run_one(overrides: list[str], threads: int, params_file: Path) -> dict[str, 
     from xbn.config import load_params
     from xbn.stages.evaluate import evaluate
     from xbn.training import fit
+    from xbn.utils.allocator import fix_malloc_thresholds
 
     torch.set_num_threads(threads)
+    fix_malloc_thresholds()  # as `xbn train` does (xbn.cli.main)
     params = load_params(params_file, overrides)
     load = os.getloadavg()
     started = time.perf_counter()

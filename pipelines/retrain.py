@@ -46,6 +46,7 @@ from prefect.runtime import flow_run, task_run  # noqa: E402
 from xbn.config import ConfigError, Params, load_params  # noqa: E402
 from xbn.data import DatasetError  # noqa: E402
 from xbn.stages.names import load_checked  # noqa: E402
+from xbn.utils.allocator import fix_malloc_thresholds  # noqa: E402
 from xbn.utils.errors import NonFiniteLossError, ServiceUnavailableError  # noqa: E402
 
 DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00
@@ -202,6 +203,7 @@ def _link(run_id) -> str:
 def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None,
             tune: bool | None = None, force: bool = False) -> dict:
     """`tune`: run the study first (None: as `tune.enabled` says); `force`: retrain even if nothing changed."""
+    fix_malloc_thresholds()  # as `xbn` does: a Prefect worker runs this flow in a process of its own
     overrides = list(overrides or [])
     params = load_checked(params_path, overrides)
     if params.tracking.enabled:

@@ -18,6 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 from pipelines.retrain import TASK_OPTIONS
 from xbn.config import Params
 from xbn.stages.names import load_checked
+from xbn.utils.allocator import fix_malloc_thresholds
 
 
 @task(**TASK_OPTIONS)
@@ -59,6 +60,7 @@ def summary_markdown(summary: dict) -> str:
 @flow(name="xbn-tune", log_prints=True)
 def tune_flow(params_path: str = "params.yaml", overrides: list[str] | None = None, workers: int = 1,
               apply: bool = False) -> dict:
+    fix_malloc_thresholds()  # as `xbn` does: a Prefect worker runs this flow in a process of its own
     params = load_checked(params_path, overrides)
     summary = run_study(params, workers)
     if apply:

@@ -21,6 +21,7 @@ from xbn.utils.errors import (
     ServiceUnavailableError,
     TrainingStalledError,
 )
+from xbn.utils.allocator import fix_malloc_thresholds
 from xbn.utils.logs import configure_logging
 
 # The commands that build a loss, a backbone or use the device: their params also have those names resolved
@@ -460,6 +461,7 @@ def _init(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    fix_malloc_thresholds()  # torch's buffers on the heap, not a fresh mmap each batch (see there)
     rank = os.environ.get("RANK")  # set by torchrun for each worker of `xbn train --nproc N`
     configure_logging(verbose=args.verbose, prefix=f"xbn {args.command}{f' [rank {rank}]' if rank else ''}: ",
                       level=logging.INFO if rank in (None, "0") else logging.WARNING)

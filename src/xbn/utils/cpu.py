@@ -81,30 +81,5 @@ def bf16_gemm_is_fast() -> bool:
     return has_native_bf16() and bf16_gemm_speedup() >= MARGIN
 
 
-# glibc's mallopt parameters, and the ceiling its own dynamic scheme lets the mmap threshold grow to (64-bit).
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-MMAP_THRESHOLD_MAX = 32 * 2**20
-
-
-@functools.cache
-def restore_malloc_thresholds() -> bool:
-    """Undo a fixed `MALLOC_TRIM_THRESHOLD_` for this process: Dask's nanny sets it to 64 KiB in every worker it
-    starts (`distributed.nanny.pre-spawn-environ`), and setting it switches off glibc's dynamic mmap threshold.
-    Every activation buffer of a forward pass then comes from a fresh mmap and goes back on free, each page
-    faulted in anew: a shard of 1000 images at 64 px embedded in 7.0 s on such a worker and 2.3-3.0 s once undone
-    (issue 29's catalogue benchmark). Here the thresholds go where the dynamic scheme would take them. Returns
-    whether anything was changed (only with the variable set, on glibc)."""
-    if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
-        return False
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
-                    and libc.mallopt(M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_MAX))
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to undo
-        return False
-
-
 __all__ = ["BF16_FLAGS", "FORCE_ENV", "bf16_gemm_is_fast", "bf16_gemm_speedup", "cpu_flags", "forced_bf16",
-           "has_native_bf16", "restore_malloc_thresholds"]
+           "has_native_bf16"]
