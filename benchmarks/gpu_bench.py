@@ -9,9 +9,8 @@ params.yaml) on the generated glyph set (rendered at 224 px). Two rates, images/
   real       the training loader feeding the GPU (decode, augment, pin, copy), as in `Trainer._train_epoch`
 Their ratio says whether the input pipeline keeps the GPU busy. `variants` gives the synthetic rate of the same
 model in fp32 NCHW, bf16 NCHW and bf16 channels_last, interleaved over `--rounds` rounds (issue 28: is each
-choice faster on a GPU too?); `inference` the same for the embedder's forward pass, and what
-`inference.*: auto` chose., and
-`channels_last_auto` what `train.channels_last=auto`'s start-up probe chose. Without CUDA it writes
+choice faster on a GPU too?), and `channels_last_auto` what `train.channels_last=auto`'s start-up probe chose;
+`inference` the same for the embedder's forward pass, and what `inference.*: auto` chose. Without CUDA it writes
 `status: not run`.
 """
 
@@ -74,6 +73,11 @@ def _variants(trainer, batch, steps: int, warmup: int, rounds: int) -> dict[str,
             rates[name].append(_rate(trainer, _repeat(batch), steps, warmup))
     trainer.amp, trainer.channels_last = amp, channels_last
     trainer.model.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    return _summary(rates)
+
+
+def _summary(rates: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
+    """Each variant's median images/s over the rounds, and its ratio to fp32 NCHW's in each round."""
     base = rates["fp32_nchw"]
     return {name: {"median_images_per_s": round(statistics.median(r), 1),
                    "vs_fp32_nchw_per_round": [round(a / b, 3) for a, b in zip(r, base)]}
@@ -106,12 +110,9 @@ def _inference_variants(model: torch.nn.Module, images: torch.Tensor, rounds: in
     model.to(memory_format=torch.contiguous_format)
     chosen = choose_inference_mode(model, images.device, images.shape[-1])
     model.train(was_training)
-    base = rates["fp32_nchw"]
     return {"batch": len(images), "chosen": {"channels_last": chosen.channels_last, "bf16": chosen.bf16,
                                              "chosen_by": chosen.chosen_by, **chosen.record()},
-            **{name: {"median_images_per_s": round(statistics.median(r), 1),
-                      "vs_fp32_nchw_per_round": [round(a / b, 3) for a, b in zip(r, base)]}
-               for name, r in rates.items()}}
+            **_summary(rates)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": info | {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda},
         "status": "ok", "loadavg": os.getloadavg(),
         "settings": {"backbone": "resnet50", "image_size": 224, "batch": args.batch, "amp": "bfloat16",
-                     "channels_last": trainer.channels_last, "num_workers": args.num_workers, "steps": args.steps, "variant_rounds": args.rounds,
+                     "channels_last": trainer.channels_last, "num_workers": args.num_workers, "steps": args.steps,
+                     "variant_rounds": args.rounds,
                      "memory": params.memory.method},
         "synthetic_images_per_s": round(synthetic, 1), "real_images_per_s": round(real, 1),
         "real_to_synthetic_ratio": round(real / synthetic, 3),

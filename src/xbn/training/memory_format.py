@@ -4,8 +4,9 @@ training step on one AVX512 CPU, about 1.05x on an AVX2 one), so `train.channels
 On every device a probe times a few forward and backward passes of the model on a batch of the training shape
 and precision (bf16 autocast when `train.amp` applies) in each format, and keeps the faster. CUDA is no
 exception: on an H100, ResNet-50 at 224 px, batch 64 under bf16 trained 1.17x faster in NCHW than in channels_last
-(benchmarks/results/gpu.json, 5 interleaved rounds), against the common advice. The probe leaves the run as it was: its input comes from a generator of its own (the global RNG is untouched), the model is
-in eval mode (BatchNorm statistics do not move) and its gradients are dropped afterwards.
+(benchmarks/results/gpu.json, 5 interleaved rounds), against the common advice. The probe leaves the run as it
+was: its input comes from a generator of its own (the global RNG is untouched), the model is in eval mode
+(BatchNorm statistics do not move) and its gradients are dropped afterwards.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import time
 
 import torch
 from torch import nn
+
+from xbn.evaluation.embed import autocast
 
 log = logging.getLogger(__name__)
 PROBE_STEPS = 3  # timed rounds (a pass in each format), after one untimed round
@@ -51,7 +54,7 @@ def probe(model: nn.Module, device: torch.device, batch: int, image_size: int,
                 x = images.contiguous(memory_format=fmt)
                 _synchronize(device)
                 start = time.perf_counter()
-                with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
+                with autocast(device, amp):
                     loss = model(x).float().sum()
                 loss.backward()
                 _synchronize(device)  # CUDA runs asynchronously: time the work, not its launch
