@@ -22,6 +22,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
     torch.set_num_threads(1)
 
+# `import dvc` binds DVC's log handlers to the sys.stdout of that moment (dvc/__init__.py calls logger.setup()).
+# Imported first inside a test that uses capsys, they would hold that test's capture, closed when it ends, and
+# the next in-process DVC call that logs (repo.add's "git add" hint) would raise. Import it while the
+# session-wide stream is in place.
+import dvc  # noqa: E402, F401
+
 from tests_support import ROOT, TINY  # noqa: E402
 
 
