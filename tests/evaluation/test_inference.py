@@ -81,6 +81,32 @@ def test_with_native_bf16_auto_probes_and_logs_its_rates(monkeypatch, pretrained
 
 
 @pytest.mark.parametrize(("rates", "expected"), [
+    # the H100's answer (benchmarks/results/gpu.json): bf16 channels_last 1.5-1.9x, bf16 NCHW 1.1-1.4x fp32
+    ({"contiguous_bf16": 1700.0, "channels_last_bf16": 2900.0}, True),
+    ({"contiguous_bf16": 2000.0, "channels_last_bf16": 2050.0}, False),  # within the format margin: NCHW
+])
+def test_on_cuda_auto_probes_both_formats_in_bfloat16(monkeypatch, pretrained, rates, expected):
+    """The CUDA branch, on any machine: bf16 is taken without a probe, and bf16 NCHW is a candidate there
+    (cuDNN has no slow bf16 NCHW path like oneDNN's), so the probe times both formats at batch 32."""
+    cuda = torch.device("cuda")
+    seen = []
+
+    def fake_probe(model, device, image_size, candidates):
+        seen.append((device, image_size, candidates))
+        return rates, None
+
+    monkeypatch.setattr(inference, "probe", fake_probe)
+    monkeypatch.setattr(inference, "_PROBES", {})
+    mode = choose_inference_mode(pretrained[0], cuda, SIZE, "auto", "auto")
+    assert seen == [(cuda, SIZE, ((False, True), (True, True)))]
+    assert mode.bf16 and mode.channels_last is expected and mode.rates == rates
+    assert choose_inference_mode(pretrained[0], cuda, SIZE, "auto", "auto") is mode and len(seen) == 1  # cached
+    # an explicit format leaves one candidate: no probe
+    assert choose_inference_mode(pretrained[0], cuda, SIZE, "auto", False) == InferenceMode(False, True, "auto: CUDA")
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize(("rates", "expected"), [
     # bf16 must beat the best float32 by 1.2x, channels_last the contiguous format by 1.05x
     ({"contiguous_fp32": 100, "channels_last_fp32": 150, "channels_last_bf16": 170}, (True, False)),
     ({"contiguous_fp32": 100, "channels_last_fp32": 150, "channels_last_bf16": 190}, (True, True)),
