@@ -332,8 +332,11 @@ def main(argv: list[str]) -> int:
                                                      "threads", "regime", "quick")},
                      "regime": {"about": regime.about, "methods": {m: table[m] for m in args.methods}}
                      if regime else None,
-                     "scale": SCALE, "scales": {d: scale_of(d) for d in args.datasets},
-                     "datasets_spec": {d: DATASETS[d] for d in args.datasets},
+                     # --resume with other datasets keeps the earlier ones' schedules and specs
+                     "scale": SCALE, "scales": {**old.get("settings", {}).get("scales", {}),
+                                                **{d: scale_of(d) for d in args.datasets}},
+                     "datasets_spec": {**old.get("settings", {}).get("datasets_spec", {}),
+                                       **{d: DATASETS[d] for d in args.datasets}},
                      "backbone": "tf_efficientnet_lite0 (offline ImageNet weights), memory.size=1.0"},
         "data": dict(old.get("data", {})), "table": [],
         "runs": [{"git_commit": old.get("machine", {}).get("git_commit"), **r} for r in old.get("runs", [])
