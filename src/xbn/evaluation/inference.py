@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xbn.utils import cpu
+from xbn.utils.runtime import synchronize
 
 log = logging.getLogger(__name__)
 PROBE_PIXELS = 32768  # the probe's batch holds about this many pixels (8 images at 64 px, 2 at 224 px), 2 to 8
@@ -180,10 +181,10 @@ def probe(model: nn.Module, device: torch.device, image_size: int,
                 x = mode.inputs(images)
                 mode.prepare(model)
                 with mode.autocast(device):
-                    _sync(device)
+                    synchronize(device)
                     start = time.perf_counter()
                     out = model(x)
-                    _sync(device)
+                    synchronize(device)
                 if round_:
                     best[fmt, bf16] = min(best[fmt, bf16], time.perf_counter() - start)
                 else:
@@ -227,11 +228,6 @@ def run(model: nn.Module, images: torch.Tensor, mode: InferenceMode, device: tor
             log.warning("inference: %s", mode.describe())
             out = exact
     return out, mode
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def inference_mode(params: Any, model: nn.Module, device: torch.device) -> InferenceMode:

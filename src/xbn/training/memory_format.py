@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from xbn.evaluation.embed import autocast
+from xbn.utils.runtime import synchronize
 
 log = logging.getLogger(__name__)
 PROBE_STEPS = 3  # timed rounds (a pass in each format), after one untimed round
@@ -52,12 +53,12 @@ def probe(model: nn.Module, device: torch.device, batch: int, image_size: int,
             for name, fmt in formats.items():
                 model.to(memory_format=fmt)
                 x = images.contiguous(memory_format=fmt)
-                _synchronize(device)
+                synchronize(device)
                 start = time.perf_counter()
                 with autocast(device, amp):
                     loss = model(x).float().sum()
                 loss.backward()
-                _synchronize(device)  # CUDA runs asynchronously: time the work, not its launch
+                synchronize(device)
                 if round_:
                     best[name] = min(best[name], time.perf_counter() - start)
     finally:
@@ -65,11 +66,6 @@ def probe(model: nn.Module, device: torch.device, batch: int, image_size: int,
         model.to(memory_format=torch.contiguous_format)
         model.train(was_training)
     return {name: batch / seconds for name, seconds in best.items()}
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 __all__ = ["choose_channels_last", "probe"]

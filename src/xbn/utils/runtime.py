@@ -25,3 +25,10 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for `device`'s queued work: CUDA runs asynchronously, so a timer must wait for the work, not its
+    launch. A no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
