@@ -610,6 +610,9 @@ def main(argv: list[str] | None = None) -> Path:
     # thread at every small op (torch at batch 1 ran 2 images/s with 2 threads here).
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
+    from xbn.utils.allocator import fix_malloc_thresholds
+
+    malloc_fixed = fix_malloc_thresholds()  # the torch path as `xbn serve` runs it (xbn.cli.main does this first)
     import faiss
     import torch
 
@@ -617,7 +620,8 @@ def main(argv: list[str] | None = None) -> Path:
     torch.set_num_threads(args.threads)
     settings = QUICK if args.quick else FULL
     data: dict[str, Any] = {"settings": settings | {"concurrency": CONCURRENCY, "pq_m": PQ_M,
-                                                    "threads": args.threads, "seed": args.seed}}
+                                                    "threads": args.threads, "seed": args.seed,
+                                                    "malloc_thresholds_fixed": malloc_fixed}}
     if "search" in args.only:
         print(f"search: {settings['search_rows']} rows", flush=True)
         data["search"] = bench_search(settings["search_rows"], settings, args.seed)
