@@ -400,7 +400,8 @@ def batch_verdict(data: dict[str, Any], dataset: str) -> str | None:
         if not diffs:
             continue
         method, d = max(diffs, key=lambda md: md[1]["mean"])
-        gain = "a gain beyond the seed spread" if d["low"] > 0 else "no gain beyond the seed spread"
+        gain = ("a gain beyond the seed spread" if d["low"] > 0 else "a loss beyond the seed spread"
+                if d["high"] < 0 else "within the seed spread")
         parts.append(f"batch {batch}: best memory method {method}, {_interval(d)} test R@1 over none ({gain})")
     return ("- Memory vs batch size: " + "; ".join(parts) + ".") if parts else None
 
@@ -416,6 +417,9 @@ def batch_to_match(data: dict[str, Any], dataset: str, method: str = "axbn", sma
         return None
     reached = next(((b, v) for b, v in nones if v >= target), None)
     largest, value = nones[-1]
+    if reached is not None and reached[0] <= small:
+        return (f"- `none` already beats {method} at batch {small} ({reached[1]:.4f} against {target:.4f}; means "
+                "over seeds).")
     if reached is None:
         return (f"- `none` does not reach {method}'s test R@1 at batch {small} ({target:.4f}) at any batch measured: "
                 f"at batch {largest} it has {value:.4f} (means over seeds).")

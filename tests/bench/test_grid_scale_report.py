@@ -48,3 +48,15 @@ def test_none_that_never_catches_up_is_said_with_its_best():
     text = report.batch_to_match(_data(r1), "omniglot64")
     assert text.startswith("- `none` does not reach axbn's test R@1 at batch 16") and "batch 64 it has 0.7100" in text
     assert report.batch_to_match(_data({("none", 16): [0.7, 0.7]}), "omniglot64") is None  # no axbn at 16
+
+
+def test_none_ahead_at_the_small_batch_and_a_memory_that_loses_are_said_as_such():
+    # glyphs64 as measured: none beats axbn at batch 16 already, and every memory loses beyond the spread
+    r1 = {("none", 16): [0.59, 0.60, 0.58], ("axbn", 16): [0.54, 0.55, 0.535],
+          ("none", 64): [0.64, 0.63, 0.635], ("axbn", 64): [0.60, 0.61, 0.605]}
+    data = _data(r1)
+    assert report.batch_to_match(data, "omniglot64") == ("- `none` already beats axbn at batch 16 (0.5900 "
+                                                         "against 0.5417; means over seeds).")
+    verdict = report.batch_verdict(data, "omniglot64")
+    assert "batch 16: best memory method axbn" in verdict and "(a loss beyond the seed spread)" in verdict
+    assert "gain" not in verdict
