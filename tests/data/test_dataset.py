@@ -106,6 +106,8 @@ def worker_exit_codes(loader) -> tuple[list[int], list[int]]:
             seen.extend(index.tolist())
     except RuntimeError as exc:
         assert "exited unexpectedly with exit code 1" in str(exc)
+    for worker in batches._workers:  # a worker still exiting has no code yet (None): seen once in make test
+        worker.join(timeout=30)
     return sorted(seen), [w.exitcode for w in batches._workers]
 
 
