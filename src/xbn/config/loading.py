@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
-from typing import Any
+from typing import Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -39,7 +40,7 @@ def load_params(path: str | Path | None = "params.yaml", overrides: list[str] | 
 def _format_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        key = _dotted_key(e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
             hint = _closest(e["loc"])
             lines.append(f"unknown key '{key}'" + (f" (did you mean '{hint}'?)" if hint else ""))
@@ -48,6 +49,22 @@ def _format_error(err: ValidationError) -> str:
         else:
             lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
     return "invalid params: " + "; ".join(lines)
+
+
+def _dotted_key(loc: tuple) -> str:
+    """The params key of an error's `loc`, less the tags pydantic adds for the member of a union it tried
+    (`train.channels_last.literal['auto']` -> `train.channels_last`): the key is what a user can look up."""
+    parts, annotation = [], Params
+    for part in loc:
+        members = [a for a in get_args(annotation) if a is not type(None)]
+        if get_origin(annotation) in (Union, types.UnionType) and len(members) > 1:
+            annotation = None  # `part` names the member tried, not a key; below it, nothing to resolve
+            continue
+        parts.append(str(part))
+        field = (annotation.model_fields.get(str(part))
+                 if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None)
+        annotation = field.annotation if field is not None else None
+    return ".".join(parts)
 
 
 def _closest(loc: tuple) -> str | None:
