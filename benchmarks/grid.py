@@ -320,6 +320,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"--methods: unknown {', '.join(unknown)} (choose from {', '.join(table)})")
     path = RESULTS_DIR / f"{args.output}.json"
     old = json.loads(path.read_text()) if args.resume and path.exists() else {}
+    earlier = old.get("settings", {})
     result: dict[str, Any] = {
         "benchmark": "memory methods x batch size x seed, test R@1 and MAP@R",
         "command": "python -m benchmarks grid " + " ".join(argv),
@@ -333,9 +334,9 @@ def main(argv: list[str]) -> int:
                      "regime": {"about": regime.about, "methods": {m: table[m] for m in args.methods}}
                      if regime else None,
                      # --resume with other datasets keeps the earlier ones' schedules and specs
-                     "scale": SCALE, "scales": {**old.get("settings", {}).get("scales", {}),
+                     "scale": SCALE, "scales": {**earlier.get("scales", {}),
                                                 **{d: scale_of(d) for d in args.datasets}},
-                     "datasets_spec": {**old.get("settings", {}).get("datasets_spec", {}),
+                     "datasets_spec": {**earlier.get("datasets_spec", {}),
                                        **{d: DATASETS[d] for d in args.datasets}},
                      "backbone": "tf_efficientnet_lite0 (offline ImageNet weights), memory.size=1.0"},
         "data": dict(old.get("data", {})), "table": [],

@@ -87,7 +87,7 @@ def test_with_native_bf16_auto_probes_and_logs_its_rates(monkeypatch, pretrained
 ])
 def test_on_cuda_auto_probes_both_formats_in_bfloat16(monkeypatch, pretrained, rates, expected):
     """The CUDA branch, on any machine: bf16 is taken without a probe, and bf16 NCHW is a candidate there
-    (cuDNN has no slow bf16 NCHW path like oneDNN's), so the probe times both formats at batch 32."""
+    (cuDNN has no slow bf16 NCHW path like oneDNN's), so the probe times both formats."""
     cuda = torch.device("cuda")
     seen = []
 
