@@ -176,3 +176,93 @@ def test_a_bad_force_value_is_an_error_naming_it(monkeypatch, pretrained):
     monkeypatch.setenv("XBN_CPU_BF16", "yes")
     with pytest.raises(EnvironmentSettingError, match="XBN_CPU_BF16='yes': use 1"):
         choose_inference_mode(pretrained[0], CPU, SIZE, "auto", False)
+
+
+def test_folding_batch_norm_keeps_the_embeddings_and_leaves_the_model_alone(pretrained, glyph_images):
+    """All 49 BatchNorms of the shipped backbone fold into their convolutions; the copy embeds as the model
+    does (float32), and the model itself keeps its BatchNorms."""
+    model, data_config = pretrained
+    images = torch.randn(4, 3, SIZE, SIZE)
+    with torch.no_grad():
+        expected = model(images)
+    folded = inference.fold_batch_norm(model, images[:1])
+    assert folded is not model
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in folded.modules())
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()) == 49
+    with torch.no_grad():
+        assert torch.allclose(folded(images), expected, atol=1e-5)
+        assert torch.equal(model(images), expected)
+    unfolded = served(model, data_config, SIZE, precision="float32", channels_last=False)
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in unfolded.model.modules())
+
+
+class _ConvReadTwice(torch.nn.Module):
+    """A convolution whose output feeds its BatchNorm and a skip connection: folding would change the skip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = torch.nn.Conv2d(3, 3, 3, padding=1), torch.nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.norm(y) + y
+
+
+def test_folding_refuses_a_convolution_whose_output_is_read_elsewhere():
+    torch.manual_seed(0)
+    model = _ConvReadTwice().eval()
+    model.norm.running_mean.uniform_(-1, 1)
+    model.norm.running_var.uniform_(0.5, 2)
+    assert inference.fold_batch_norm(model, torch.randn(1, 3, 8, 8)) is model
+
+
+def _small(seed: int = 0):
+    torch.manual_seed(seed)
+    return build_embedder(load_params(ROOT / "params.yaml", ["model.backbone=test_efficientnet", "model.pretrained=none"]).model)
+
+
+def test_the_compiled_model_embeds_as_the_eager_one():
+    """`inference.compile: true` (the branch `xbn serve` takes on the CPU): torch.compile'd, frozen weights;
+    the same embeddings as eager within float32 rounding, and it stays compiled."""
+    model, data_config = _small()
+    images = torch.randn(3, 3, 32, 32)
+    eager = served(model, data_config, 32, precision="float32", channels_last=False, compile=False)
+    compiled = served(model, data_config, 32, precision="float32", channels_last=False, compile=True)
+    assert not eager.compile and compiled.compile
+    expected = eager.embed_tensors(images)
+    np.testing.assert_allclose(compiled.embed_tensors(images), expected, atol=1e-5)
+    assert isinstance(compiled._compiled, inference.Compiled) and compiled.compile
+
+
+def test_when_compiling_fails_it_says_so_and_runs_eager(caplog):
+    """No working C++ compiler (inductor's CPU backend needs one): a warning naming the error, then eager, with
+    the same embeddings, and no second attempt."""
+    from torch._inductor import config
+
+    model, data_config = _small(1)
+    images = torch.randn(2, 3, 32, 32)
+    eager = served(model, data_config, 32, precision="float32", channels_last=False).embed_tensors(images)
+    model_served = served(model, data_config, 32, precision="float32", channels_last=False, compile=True)
+    with config.patch({"cpp.cxx": (None, "/nonexistent/g++"), "fx_graph_cache": False}):
+        out = model_served.embed_tensors(images)
+    np.testing.assert_allclose(out, eager, atol=1e-6)
+    assert not model_served.compile and model_served._compiled is None
+    assert "torch.compile failed (InductorError: InvalidCxxCompiler" in caplog.text
+
+
+@pytest.mark.parametrize(("setting", "device", "long_running", "expected"), [
+    ("auto", "cpu", True, True), ("auto", "cpu", False, False), ("auto", "cuda", True, False),
+    (True, "cpu", False, True), (False, "cpu", True, False)])
+def test_auto_compiles_only_a_long_running_cpu_process(setting, device, long_running, expected):
+    assert inference.resolve_compile(setting, torch.device(device), long_running) is expected
+
+
+def test_xbn_serve_asks_for_a_long_running_model(tmp_path):
+    """`xbn serve` (`serving_app`) and only it marks its model source long-running, so `compile: auto` compiles
+    there; `xbn search` and `xbn embed` stay eager (a compile would cost more than it saves)."""
+    from xbn.stages.serve import model_source
+
+    params = load_params(ROOT / "params.yaml", [f"train.checkpoint_dir={tmp_path}"])
+    assert model_source(params, local=True).inference["long_running"] is False
+    assert model_source(params, local=True, long_running=True).inference == {
+        "precision": "auto", "channels_last": "auto", "compile": "auto", "long_running": True}

@@ -9,9 +9,10 @@ the `image_size` a registered version records in its pyfunc metadata), so the si
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -25,9 +26,12 @@ from xbn.data import build_transform
 from xbn.data.images import UnreadableImage, open_rgb  # noqa: F401 -- UnreadableImage re-exported
 from xbn.data.transforms import eval_geometry
 from xbn.evaluation.embed import embed, image_loader
-from xbn.evaluation.inference import FLOAT32, InferenceMode, choose_inference_mode, run
+from xbn.evaluation.inference import (FLOAT32, InferenceMode, Compiled, choose_inference_mode, fold_batch_norm,
+                                     probe_images, resolve_compile, run, settled)
 from xbn.models import load_embedder
 from xbn.utils.io import file_digest
+
+log = logging.getLogger(__name__)
 
 
 class EmbeddedRows(NamedTuple):
@@ -50,6 +54,17 @@ class ServedModel:
     device: torch.device
     data_config: dict[str, Any]
     mode: InferenceMode = FLOAT32  # memory format and precision (`inference` params; recorded in index.json)
+    compile: bool = False  # run `model` through torch.compile (`inference.compile`), once the mode is settled
+    _compiled: torch.nn.Module | None = field(default=None, repr=False)
+
+    def _network(self) -> torch.nn.Module:
+        """What runs a batch: the compiled model once the mode is final (so it compiles for one precision
+        only), else `model`."""
+        if not self.compile or not settled(self.mode):
+            return self.model
+        if self._compiled is None:
+            self._compiled = Compiled(self.model)
+        return self._compiled
 
     @property
     def decode_side(self) -> int:
@@ -63,7 +78,17 @@ class ServedModel:
         """float32 [N, D] unit-norm embeddings of a preprocessed batch."""
         if not len(batch):
             return np.empty((0, self.embedding_dim), dtype=np.float32)
-        out, self.mode = run(self.model, batch.to(self.device), self.mode, self.device)
+        batch = batch.to(self.device)
+        network = self._network()
+        try:
+            out, self.mode = run(network, batch, self.mode, self.device)
+        except Exception as exc:  # noqa: BLE001 -- compiling failed (no C++ compiler, an unsupported op): go eager
+            if network is self.model:
+                raise
+            log.warning("inference: torch.compile failed (%s: %s); running eager", type(exc).__name__,
+                        str(exc).splitlines()[0] if str(exc) else "")
+            self.compile, self._compiled = False, None
+            out, self.mode = run(self.model, batch, self.mode, self.device)
         return out.cpu().numpy()
 
     def pixels(self, image: Image.Image) -> np.ndarray:
@@ -97,7 +122,7 @@ class ServedModel:
             skip_unreadable=True,
         )
         kept: list[int] = []
-        emb, _ = embed(self.model, loader, self.device, self.mode, kept=kept)
+        emb, _ = embed(self._network(), loader, self.device, self.mode, kept=kept)
         if not kept:
             emb = np.empty((0, self.embedding_dim), dtype=np.float32)
         kept_set = set(kept)
@@ -107,12 +132,14 @@ class ServedModel:
 
 
 def load_served_model(path: str | Path, image_size: int, device: str | torch.device = "cpu",
-                      precision: str = "auto", channels_last: bool | str = "auto") -> ServedModel:
+                      precision: str = "auto", channels_last: bool | str = "auto", compile: bool | str = "auto",
+                      long_running: bool = False) -> ServedModel:
     """The embedder checkpoint at `path` (as `xbn train` writes models/model.pt), served at `image_size`, in the
-    mode `inference.precision` and `inference.channels_last` choose (`xbn.evaluation.inference`)."""
+    mode the `inference` params choose (`xbn.evaluation.inference`)."""
     device = torch.device(device)
     model, data_config, _ = load_embedder(path, map_location=device)
-    return served(model, data_config, image_size, file_digest(path), device, precision, channels_last)
+    return served(model, data_config, image_size, file_digest(path), device, precision, channels_last, compile,
+                  long_running)
 
 
 def served(
@@ -123,13 +150,19 @@ def served(
     device: str | torch.device = "cpu",
     precision: str = "auto",
     channels_last: bool | str = "auto",
+    compile: bool | str = False,
+    long_running: bool = False,
 ) -> ServedModel:
-    """Wrap an in-memory embedder (e.g. the one `xbn register` just evaluated) for serving."""
+    """Wrap an in-memory embedder (e.g. the one `xbn register` just evaluated) for serving: a copy with its
+    BatchNorms folded into the convolutions (`fold_batch_norm`; `model` itself is left as it was), in the mode
+    the `inference` params choose. `long_running`: the process serves for a while (`xbn serve`), so
+    `compile: auto` compiles."""
     transform = build_transform(image_size, training=False, mean=data_config["mean"], std=data_config["std"])
     device = torch.device(device)
+    model = fold_batch_norm(model.eval(), probe_images(1, image_size, device))
     mode = choose_inference_mode(model, device, image_size, precision, channels_last)
     return ServedModel(
-        mode.prepare(model.eval()),
+        mode.prepare(model),
         transform,
         int(image_size),
         int(model.embedding_dim),
@@ -137,6 +170,7 @@ def served(
         device,
         dict(data_config),
         mode,
+        resolve_compile(compile, device, long_running),
     )
 
 

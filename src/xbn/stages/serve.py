@@ -21,10 +21,11 @@ from xbn.utils.runtime import resolve_device
 log = logging.getLogger(__name__)
 
 
-def model_source(params: Params, version: int | None = None, local: bool = False):
-    """The `ModelSource` of the command line's choice (see the module docstring)."""
+def model_source(params: Params, version: int | None = None, local: bool = False, long_running: bool = False):
+    """The `ModelSource` of the command line's choice (see the module docstring); `long_running`: for `xbn
+    serve` (`inference.compile: auto` compiles its models)."""
     device = str(resolve_device(params.train.device))
-    inference = params.inference.model_dump()
+    inference = {**params.inference.model_dump(), "long_running": long_running}
     if local:
         if version is not None:
             raise ConfigError("--local serves models/model.pt: it cannot be combined with --model-version")
@@ -113,12 +114,12 @@ def serving_app(params: Params, *, version: int | None = None, local: bool = Fal
     from xbn.serving.http import create_app
     from xbn.serving.sources import source_root
 
-    source = model_source(params, version, local)
+    source = model_source(params, version, local, long_running=True)
     _require_version(source)
     challenger = None
     if isinstance(source, RegistryModelSource) and source.pinned is None and source.alias != "challenger":
         challenger = RegistryModelSource(source.registry, source.registry.fetch_index, params.serve.cache_dir,
-                                         alias="challenger", device=source.device)
+                                         alias="challenger", device=source.device, inference=source.inference)
     return create_app(source, params.serve, token=token, challenger=challenger,
                       catalogue_root=source_root(params.index.source, params.data.root))
 
