@@ -16,7 +16,7 @@ Two more steps serve a model faster with the same embeddings (`xbn.evaluation.se
 folds each BatchNorm into the convolution before it (exact in float32): tf_efficientnet_lite0 at 224 px under
 bf16 autocast went from 119 to 184 img/s at batch 64 and from 115 to 134 at batch 1, one thread. `Compiled`
 runs it through torch.compile (inductor, weights frozen as constants, so each activation fuses into its
-convolution): 202 img/s at batch 1 against ONNX Runtime's 210 (eager: 125), for a one-off compile of 5 to 15 s
+convolution): 197 img/s at batch 1 against ONNX Runtime's 209 (eager: 122), for a one-off compile of 5 to 15 s
 that only a long-running process earns back, so `inference.compile: auto` compiles in `xbn serve` on the CPU
 (`python -m benchmarks serving`, docs/benchmarks.md).
 """
