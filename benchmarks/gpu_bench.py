@@ -115,6 +115,46 @@ def _inference_variants(model: torch.nn.Module, images: torch.Tensor, rounds: in
             **_summary(rates)}
 
 
+@torch.inference_mode()
+def _served_paths(model: torch.nn.Module, data_config: dict, images: torch.Tensor, rounds: int,
+                  passes: int = 20) -> dict:
+    """The served embedder on this GPU (`xbn.evaluation.served`: BatchNorm folded, `inference.*: auto`), eager
+    and compiled (`inference.compile: true`; auto does not compile on CUDA), images/s interleaved over `rounds`
+    rounds after two first calls each (timed: the mode's parity check, the compile), and each one's lowest cosine to
+    the unfolded float32 model's embeddings of the same batch."""
+    import torch.nn.functional as F
+
+    from xbn.serving.model import served
+
+    model.eval().to(memory_format=torch.contiguous_format)
+    reference = model(images).float().cpu()
+    runners = {name: served(model, data_config, images.shape[-1], device=images.device, compile=name == "compiled")
+               for name in ("eager", "compiled")}
+    first_call_s, cosine = {}, {}
+    for name, runner in runners.items():  # the parity check of a provisional bf16, then the compile
+        seconds = []
+        for _ in range(2):
+            start = time.perf_counter()
+            out = torch.from_numpy(runner.embed_tensors(images))
+            seconds.append(round(time.perf_counter() - start, 2))
+        first_call_s[name] = seconds
+        cosine[name] = round(F.cosine_similarity(out, reference).min().item(), 5)
+    rates: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, runner in runners.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(passes):
+                runner.embed_tensors(images)  # returns host memory: waits for the GPU
+            rates.setdefault(name, []).append(passes * len(images) / (time.perf_counter() - start))
+    mode = runners["eager"].mode
+    return {"batch": len(images), "mode": mode.describe(), "compile_kept": runners["compiled"].compile,
+            "first_call_s": first_call_s, "min_cosine_to_unfolded_fp32": cosine,
+            **{name: {"median_images_per_s": round(statistics.median(r), 1),
+                      "vs_eager_per_round": [round(a / b, 3) for a, b in zip(r, rates["eager"])]}
+               for name, r in rates.items()}}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -149,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         real = _rate(trainer, _cycle(trainer.loader), args.steps, args.warmup)
         variants = _variants(trainer, (images, labels), args.steps, args.warmup, args.rounds)
         inference = _inference_variants(trainer.model, images, args.rounds)
+        served_paths = _served_paths(trainer.model, trainer.data_config, images, args.rounds)
     result = {
         "benchmark": "training throughput on a GPU", "command": command.strip(),
         "machine": info | {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda},
@@ -160,11 +201,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "synthetic_images_per_s": round(synthetic, 1), "real_images_per_s": round(real, 1),
         "real_to_synthetic_ratio": round(real / synthetic, 3),
         "channels_last_auto": trainer.memory_format, "variants": variants, "inference": inference,
+        "served": served_paths,
         "peak_gpu_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2),
     }
     write_result(args.output, result)
     print(f"synthetic {synthetic:.1f} img/s, real {real:.1f} img/s, ratio {real / synthetic:.3f}; {variants}; "
-          f"auto: {trainer.memory_format}; inference {inference}")
+          f"auto: {trainer.memory_format}; inference {inference}; served {served_paths}")
     return result
 
 

@@ -231,6 +231,16 @@ def gpu_section(data: dict[str, Any] | None) -> str:
                                 for name, v in inference.items() if isinstance(v, dict) and "median_images_per_s" in v]),
                 "", f"`inference.*: auto` chose {'bf16' if chosen['bf16'] else 'fp32'}, "
                 f"{'channels_last' if chosen['channels_last'] else 'NCHW'} ({chosen['chosen_by']}).", ""]
+    if served := data.get("served"):
+        out += [f"The served embedder (BatchNorm folded; {served['mode']}), batch {served['batch']}, eager and "
+                f"compiled (`inference.compile: true`), same rounds. The first two calls took "
+                + "; ".join(f"{k} {a} s, then {b} s" for k, (a, b) in served["first_call_s"].items())
+                + ". Lowest cosine to the unfolded float32 model: "
+                + ", ".join(f"{k} {v}" for k, v in served["min_cosine_to_unfolded_fp32"].items()) + ".", "",
+                markdown_table(["path", "median images/s", "vs eager, each round"],
+                               [[name, served[name]["median_images_per_s"],
+                                 ", ".join(f"{r:.2f}" for r in served[name]["vs_eager_per_round"])]
+                                for name in ("eager", "compiled")]), ""]
     return "\n".join(out)
 
 
