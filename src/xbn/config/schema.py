@@ -314,7 +314,7 @@ class InferenceConfig(Section):
     precision: Literal["auto", "float32", "bfloat16"] = "auto"
     # auto: channels_last where the probe measures it faster (on CUDA too); true / false force it.
     channels_last: Literal["auto"] | bool = Field("auto", union_mode="left_to_right")
-    # auto: torch.compile (inductor) the served model in `xbn serve` on the CPU, where one compile of 5-15 s
+    # auto: torch.compile (inductor) the served model in `xbn serve`, where one compile of 5-15 s
     # serves every request after it; true / false force it (anywhere a model is served: search, embed, index).
     compile: Literal["auto"] | bool = Field("auto", union_mode="left_to_right")
 

@@ -17,7 +17,7 @@ folds each BatchNorm into the convolution before it (exact in float32): tf_effic
 bf16 autocast went from 119 to 184 img/s at batch 64 and from 115 to 134 at batch 1, one thread. `Compiled`
 runs it through torch.compile (inductor, weights frozen as constants, so each activation fuses into its
 convolution): 197 img/s at batch 1 against ONNX Runtime's 209 (eager: 122), for a one-off compile of 5 to 15 s
-that only a long-running process earns back, so `inference.compile: auto` compiles in `xbn serve` on the CPU
+that only a long-running process earns back, so `inference.compile: auto` compiles in `xbn serve`
 (`python -m benchmarks serving`, docs/benchmarks.md).
 """
 
@@ -309,12 +309,11 @@ class Compiled(nn.Module):
             return self.compiled(images)
 
 
-def resolve_compile(setting: bool | str, device: torch.device, long_running: bool) -> bool:
-    """`inference.compile`: auto compiles only a long-running process's model on the CPU (`xbn serve`), where
-    one compile serves every request after it; true and false force it."""
-    if setting != "auto":
-        return bool(setting)
-    return long_running and torch.device(device).type == "cpu"
+def resolve_compile(setting: bool | str, long_running: bool) -> bool:
+    """`inference.compile`: auto compiles only a long-running process's model (`xbn serve`), where one compile
+    serves every request after it (on the CPU 1.6x the eager rate at batch 1; on an H200, ResNet-50 at batch 64,
+    1.8x: benchmarks/results/gpu.json); true and false force it."""
+    return long_running if setting == "auto" else bool(setting)
 
 
 def inference_mode(params: Any, model: nn.Module, device: torch.device) -> InferenceMode:

@@ -170,7 +170,7 @@ def served(
         device,
         dict(data_config),
         mode,
-        resolve_compile(compile, device, long_running),
+        resolve_compile(compile, long_running),
     )
 
 
