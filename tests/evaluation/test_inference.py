@@ -234,6 +234,32 @@ def test_the_compiled_model_embeds_as_the_eager_one():
     assert isinstance(compiled._compiled, inference.Compiled) and compiled.compile
 
 
+def test_concurrent_first_requests_compile_once_and_agree(monkeypatch):
+    """`xbn serve` embeds each request in a thread of its pool, so the first few arrive together: one compiled
+    module is built, and every thread gets the eager embeddings of its own images."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, data_config = _small(2)
+    batches = [torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    eager = served(model, data_config, 32, precision="float32", channels_last=False)
+    compiled = served(model, data_config, 32, precision="float32", channels_last=False, compile=True)
+    built = []
+    original = inference.Compiled.__init__
+
+    def counted(self, *args):  # slow enough that, without the lock, the other threads would build one too
+        built.append(self)
+        time.sleep(0.2)
+        original(self, *args)
+
+    monkeypatch.setattr(inference.Compiled, "__init__", counted)
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(compiled.embed_tensors, batches))
+    assert len(built) == 1 and compiled.compile
+    for batch, out in zip(batches, outs):
+        np.testing.assert_allclose(out, eager.embed_tensors(batch), atol=1e-5)
+
+
 def test_when_compiling_fails_it_says_so_and_runs_eager(caplog):
     """No working C++ compiler (inductor's CPU backend needs one): a warning naming the error, then eager, with
     the same embeddings, and no second attempt."""

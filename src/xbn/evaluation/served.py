@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,15 +57,19 @@ class ServedModel:
     mode: InferenceMode = FLOAT32  # memory format and precision (`inference` params; recorded in index.json)
     compile: bool = False  # run `model` through torch.compile (`inference.compile`), once the mode is settled
     _compiled: torch.nn.Module | None = field(default=None, repr=False)
+    # `xbn serve` embeds each request in a thread of its pool: the first requests must not each build a
+    # compiled module (torch.compile then compiles the one that is built once, under its own lock).
+    _compile_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def _network(self) -> torch.nn.Module:
         """What runs a batch: the compiled model once the mode is final (so it compiles for one precision
         only), else `model`."""
         if not self.compile or not settled(self.mode):
             return self.model
-        if self._compiled is None:
-            self._compiled = Compiled(self.model)
-        return self._compiled
+        with self._compile_lock:
+            if self._compiled is None:
+                self._compiled = Compiled(self.model)
+            return self._compiled
 
     @property
     def decode_side(self) -> int:
@@ -87,7 +92,8 @@ class ServedModel:
                 raise
             log.warning("inference: torch.compile failed (%s: %s); running eager", type(exc).__name__,
                         str(exc).splitlines()[0] if str(exc) else "")
-            self.compile, self._compiled = False, None
+            with self._compile_lock:
+                self.compile, self._compiled = False, None
             out, self.mode = run(self.model, batch, self.mode, self.device)
         return out.cpu().numpy()
 
