@@ -301,6 +301,8 @@ class Compiled(nn.Module):
         super().__init__()
         self.model = model
         self.compiled = torch.compile(model)
+        if not torch.cuda.is_available():  # inductor's "No CUDA runtime is found" says nothing on a CPU machine
+            logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         from torch._inductor import config

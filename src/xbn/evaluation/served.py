@@ -68,6 +68,8 @@ class ServedModel:
             return self.model
         with self._compile_lock:
             if self._compiled is None:
+                log.info("inference: compiling the model with torch.compile (inference.compile); the first "
+                         "batch waits 5-15 s for it")
                 self._compiled = Compiled(self.model)
             return self._compiled
 
