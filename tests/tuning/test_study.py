@@ -103,3 +103,21 @@ def test_a_weak_trial_is_pruned_at_its_epoch_and_its_run_says_so(project, tmp_pa
     (run,) = child_runs(base, tracker.run_id)
     assert run.info.status == "KILLED" and run.data.tags["optuna.state"] == "PRUNED"
     assert not (tmp_path / "trials/trial_0/models").exists()
+
+
+def test_runs_of_lost_trials_end_failed_even_when_their_worker_ended_them(project):
+    """A worker killed after its trial's run ended FINISHED and before Optuna was told: Optuna fails the trial
+    (heartbeats), and the study's report marks its run FAILED too. A run left RUNNING is closed FAILED; a
+    completed trial's run is left as it was."""
+    from xbn.tracking.tuning import StudyTracker
+
+    base = project()
+    tracker = StudyTracker.open(base, "lost")
+    runs = [tracker.start_trial(n, {"memory.q": 0.1}, base) for n in range(3)]
+    runs[0].end("COMPLETE", 0.5)  # ended by the worker, then the worker died
+    runs[2].end("COMPLETE", 0.6)  # a trial that completed
+    closed = tracker.close_lost_trials([0, 1])
+    assert sorted(closed) == sorted([runs[0].run_id, runs[1].run_id])
+    status = {int(r.data.tags["optuna.trial_number"]): (r.info.status, r.data.tags["optuna.state"])
+              for r in child_runs(base, tracker.run_id)}
+    assert status == {0: ("FAILED", "FAIL"), 1: ("FAILED", "FAIL"), 2: ("FINISHED", "COMPLETE")}

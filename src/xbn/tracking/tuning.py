@@ -96,10 +96,12 @@ class StudyTracker:
             self.client.log_artifact(self.run_id, str(path), "plots")
 
     def close_lost_trials(self, numbers: Iterable[int]) -> list[str]:
-        """End the child runs that failed trials left RUNNING (their worker died before it could)."""
+        """Mark FAILED the child runs of trials Optuna holds as failed: left RUNNING by a worker that died, or
+        ended FINISHED by one that died after its trial's run ended and before Optuna was told (the trial then
+        counts as lost, and its run must not say otherwise)."""
         numbers, closed = {str(n) for n in numbers}, []
         for run in self.child_runs():
-            if run["status"] == "RUNNING" and run["tags"].get(TRIAL_TAG) in numbers:
+            if run["status"] != "FAILED" and run["tags"].get(TRIAL_TAG) in numbers:
                 TrialRun(self.client, run["run_id"]).end("FAIL")
                 closed.append(run["run_id"])
         return closed
