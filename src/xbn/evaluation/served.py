@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,7 +27,7 @@ from xbn.data import build_transform
 from xbn.data.images import UnreadableImage, open_rgb  # noqa: F401 -- UnreadableImage re-exported
 from xbn.data.transforms import eval_geometry
 from xbn.evaluation.embed import embed, image_loader
-from xbn.evaluation.inference import (FLOAT32, InferenceMode, Compiled, choose_inference_mode, fold_batch_norm,
+from xbn.evaluation.inference import (FLOAT32, Compiled, InferenceMode, choose_inference_mode, fold_batch_norm,
                                      probe_images, resolve_compile, run, settled)
 from xbn.models import load_embedder
 from xbn.utils.io import file_digest
@@ -86,18 +86,25 @@ class ServedModel:
         if not len(batch):
             return np.empty((0, self.embedding_dim), dtype=np.float32)
         batch = batch.to(self.device)
+        out, self.mode = self._eager_if_compiling_fails(lambda network: run(network, batch, self.mode, self.device))
+        return out.cpu().numpy()
+
+    def _eager_if_compiling_fails(self, call: Callable[[torch.nn.Module], Any]) -> Any:
+        """`call(network)`; if torch.compile fails (no C++ compiler, an op it cannot lower), say why, stop
+        compiling and `call` the eager model instead. Any other error is the caller's."""
+        from torch._dynamo.exc import TorchDynamoException
+
         network = self._network()
         try:
-            out, self.mode = run(network, batch, self.mode, self.device)
-        except Exception as exc:  # noqa: BLE001 -- compiling failed (no C++ compiler, an unsupported op): go eager
+            return call(network)
+        except TorchDynamoException as exc:
             if network is self.model:
                 raise
             log.warning("inference: torch.compile failed (%s: %s); running eager", type(exc).__name__,
                         str(exc).splitlines()[0] if str(exc) else "")
             with self._compile_lock:
                 self.compile, self._compiled = False, None
-            out, self.mode = run(self.model, batch, self.mode, self.device)
-        return out.cpu().numpy()
+            return call(self.model)
 
     def pixels(self, image: Image.Image) -> np.ndarray:
         """The uint8 [S, S, 3] pixels `transform` feeds its to-tensor and normalisation steps: `image` resized
@@ -130,7 +137,12 @@ class ServedModel:
             skip_unreadable=True,
         )
         kept: list[int] = []
-        emb, _ = embed(self._network(), loader, self.device, self.mode, kept=kept)
+
+        def embed_all(network: torch.nn.Module) -> tuple[np.ndarray, np.ndarray]:
+            kept.clear()  # a second pass (eager, after a failed compile) starts over
+            return embed(network, loader, self.device, self.mode, kept=kept)
+
+        emb, _ = self._eager_if_compiling_fails(embed_all)
         if not kept:
             emb = np.empty((0, self.embedding_dim), dtype=np.float32)
         kept_set = set(kept)
