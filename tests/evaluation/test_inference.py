@@ -3,6 +3,8 @@ decision rule, and bfloat16's parity with float32 on real images through the Ima
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -221,6 +223,12 @@ def _small(seed: int = 0):
     return build_embedder(load_params(ROOT / "params.yaml", ["model.backbone=test_efficientnet", "model.pretrained=none"]).model)
 
 
+# Inductor's CPU backend compiles C++: without a compiler the compiled path falls back (tested below).
+needs_cxx = pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                               reason="no C++ compiler for torch.compile's CPU backend")
+
+
+@needs_cxx
 def test_the_compiled_model_embeds_as_the_eager_one():
     """`inference.compile: true` (the branch `xbn serve` takes on the CPU): torch.compile'd, frozen weights;
     the same embeddings as eager within float32 rounding, and it stays compiled."""
@@ -234,6 +242,7 @@ def test_the_compiled_model_embeds_as_the_eager_one():
     assert isinstance(compiled._compiled, inference.Compiled) and compiled.compile
 
 
+@needs_cxx
 def test_concurrent_first_requests_compile_once_and_agree(monkeypatch):
     """`xbn serve` embeds each request in a thread of its pool, so the first few arrive together: one compiled
     module is built, and every thread gets the eager embeddings of its own images."""
