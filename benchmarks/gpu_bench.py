@@ -119,7 +119,7 @@ def _inference_variants(model: torch.nn.Module, images: torch.Tensor, rounds: in
 def _served_paths(model: torch.nn.Module, data_config: dict, images: torch.Tensor, rounds: int,
                   passes: int = 20) -> dict:
     """The served embedder on this GPU (`xbn.evaluation.served`: BatchNorm folded, `inference.*: auto`), eager
-    and compiled (`inference.compile: true`; auto does not compile on CUDA), images/s interleaved over `rounds`
+    and compiled (`inference.compile: true`, what auto gives `xbn serve`), images/s interleaved over `rounds`
     rounds after two first calls each (timed: the mode's parity check, the compile), and each one's lowest cosine to
     the unfolded float32 model's embeddings of the same batch."""
     import torch.nn.functional as F

@@ -493,7 +493,7 @@ def bench_ivf_pq(rows: int, settings: dict[str, Any], seed: int) -> dict[str, An
 
 def bench_onnx(backbone: str, image_size: int, rounds: tuple[int, int], seed: int) -> dict[str, Any]:
     """ONNX Runtime against the two torch paths a served model runs: eager (`xbn search`, `xbn index`, `xbn
-    embed`; BatchNorm folded) and compiled (`xbn serve`: `inference.compile: auto` on the CPU). The three take
+    embed`; BatchNorm folded) and compiled (`xbn serve`: `inference.compile: auto`). The three take
     turns each round, the order rotating, after a first call each (the compile, and the mode's parity check)."""
     import onnxruntime as ort
     import torch

@@ -294,9 +294,10 @@ def test_auto_compiles_only_a_long_running_process(setting, long_running, expect
 def test_xbn_serve_asks_for_a_long_running_model(tmp_path):
     """`xbn serve` (`serving_app`) and only it marks its model source long-running, so `compile: auto` compiles
     there; `xbn search` and `xbn embed` stay eager (a compile would cost more than it saves)."""
-    from xbn.stages.serve import model_source
+    from xbn.stages.serve import model_source, serving_app
 
     params = load_params(ROOT / "params.yaml", [f"train.checkpoint_dir={tmp_path}"])
+    assert serving_app(params, local=True, token=None).state.holder.source.inference["long_running"] is True
     assert model_source(params, local=True).inference["long_running"] is False
     assert model_source(params, local=True, long_running=True).inference == {
         "precision": "auto", "channels_last": "auto", "compile": "auto", "long_running": True}

@@ -299,7 +299,6 @@ class Compiled(nn.Module):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.model = model
         self.compiled = torch.compile(model)
         if not torch.cuda.is_available():  # inductor's "No CUDA runtime is found" says nothing on a CPU machine
             logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)

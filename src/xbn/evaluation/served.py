@@ -170,7 +170,7 @@ def served(
     device: str | torch.device = "cpu",
     precision: str = "auto",
     channels_last: bool | str = "auto",
-    compile: bool | str = False,
+    compile: bool | str = "auto",
     long_running: bool = False,
 ) -> ServedModel:
     """Wrap an in-memory embedder (e.g. the one `xbn register` just evaluated) for serving: a copy with its
