@@ -10,13 +10,14 @@ params.yaml) on the generated glyph set (rendered at 224 px). Two rates, images/
 Their ratio says whether the input pipeline keeps the GPU busy. `variants` gives the synthetic rate of the same
 model in fp32 NCHW, bf16 NCHW and bf16 channels_last, interleaved over `--rounds` rounds (issue 28: is each
 choice faster on a GPU too?), and `channels_last_auto` what `train.channels_last=auto`'s start-up probe chose;
-`inference` the same for the embedder's forward pass, and what `inference.*: auto` chose. Without CUDA it writes
-`status: not run`.
+`inference` the same for the embedder's forward pass, and what `inference.*: auto` chose. Without CUDA it keeps
+an earlier GPU result and otherwise writes `status: not run`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import machine_info, write_result
+from benchmarks.common import RESULTS_DIR, machine_info, write_result
 
 PACKAGES = ("torch", "torchvision", "timm", "pytorch-metric-learning")
 
@@ -155,6 +156,16 @@ def _served_paths(model: torch.nn.Module, data_config: dict, images: torch.Tenso
                for name, r in rates.items()}}
 
 
+def _measured(name: str) -> dict[str, Any] | None:
+    """The results file `name` when it holds a GPU measurement (not a 'not run' record), else None."""
+    path = RESULTS_DIR / f"{name}.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return None if "status" in data or "provenance" not in data else data
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -170,6 +181,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     command = "python -m benchmarks gpu " + " ".join(sys.argv[2:] if argv is None else argv)
     info = machine_info(PACKAGES)
     if not torch.cuda.is_available():
+        measured = _measured(args.output)
+        if measured is not None:  # `make bench` on a CPU machine must not erase what a lent GPU measured
+            print(f"not run: no GPU lent (CUDA not available); keeping benchmarks/results/{args.output}.json "
+                  f"from {measured['provenance'].get('git_commit', '?')[:8]}")
+            return measured
         result = {"benchmark": "training throughput on a GPU", "command": command.strip(), "machine": info,
                   "status": "not run: no GPU lent (CUDA not available)", "loadavg": os.getloadavg()}
         write_result(args.output, result)

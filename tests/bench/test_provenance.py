@@ -74,3 +74,22 @@ def test_write_result_without_a_begun_run_says_how(monkeypatch):
     monkeypatch.setattr(provenance, "_current", None)
     with pytest.raises(RuntimeError, match="python -m benchmarks <name>"):
         provenance.finish()
+
+
+def test_the_gpu_bench_without_cuda_keeps_a_measured_result(repo, tmp_path, monkeypatch):
+    # `make bench` on a CPU machine must not replace what a lent GPU measured with 'not run'
+    from benchmarks import gpu_bench
+
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setattr(common, "RESULTS_DIR", out)
+    monkeypatch.setattr(gpu_bench, "RESULTS_DIR", out)
+    monkeypatch.setattr(gpu_bench.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(gpu_bench, "machine_info", lambda packages: {})
+    provenance.begin(["python", "-m", "benchmarks", "gpu"], repo=repo)
+
+    assert gpu_bench.main([])["status"].startswith("not run")  # nothing measured yet: the record says so
+    measured = {"real": {"images_per_s": 900.0}, "provenance": {"git_commit": "82e39e16"}}
+    (out / "gpu.json").write_text(json.dumps(measured))
+    assert gpu_bench.main([]) == measured
+    assert json.loads((out / "gpu.json").read_text()) == measured
