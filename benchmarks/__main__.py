@@ -1,6 +1,6 @@
 """`python -m benchmarks <name> [options]`: run one benchmark (or all), write benchmarks/results/<name>.json.
 
-    python -m benchmarks memory   [--quick] [--sizes ...] [--batches ...] [--device cpu|cuda]
+    python -m benchmarks memory   [--quick] [--sizes ...] [--batches ...] [--device cpu|cuda] [--set loss.miner=null]
     python -m benchmarks eval     [--quick] [--sizes ...]
     python -m benchmarks loader   [--quick]
     python -m benchmarks pipeline [--quick]
@@ -13,7 +13,7 @@
     python -m benchmarks train_time [--old COMMIT] [--quick]  (issue 28: xbn train, an older commit vs this one)
     python -m benchmarks bigindex [--quick] [--n ROWS]  (issue 29: a 10M on-disk IVF-PQ served; ~30 GB in /tmp)
     python -m benchmarks catalogue [--quick] [--images N] [--rounds R]  (issue 29: Dask workers vs xbn embed)
-    python -m benchmarks all      [--quick]            (each of the above with its defaults, then the report)
+    python -m benchmarks all      [--quick] [--since UTC]  (each of the above with its defaults, then the report)
     python -m benchmarks report                         (docs/benchmarks.md from the JSON files)
 
 Every result records its provenance (benchmarks/provenance.py: commit, load before and after, UTC dates, the
@@ -23,17 +23,49 @@ command, the machine). A benchmark refuses to run on a tree that differs from it
 Each writes its JSON atomically (`xbn.utils.io.write_json`); `report` renders docs/benchmarks.md from whatever
 results exist, so a benchmark that was not re-run keeps its previous numbers (with their own date and command).
 Options after the name go to that benchmark; `--help` after a name lists them.
+
+`all --since 2026-11-27T03:20` skips each benchmark whose results file is clean and started at or after that
+UTC time: a serial run of everything (about 3.5 hours on a 2-core AVX2 machine) that a stopped session left
+half done goes on where it stopped, each file keeping its own commit, load and CPU flags.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import sys
 import traceback
 
 from benchmarks import provenance
 
-NAMES = ("memory", "eval", "loader", "pipeline", "grid", "gpu", "serving", "methods", "retrain", "train_time",
-         "bigindex", "catalogue")
+# The speed benchmarks first, the long accuracy runs (grid about 1 hour, methods 1 to 3) last: a run stopped
+# part way (`all --since` goes on from there) has the speed verdicts.
+NAMES = ("memory", "eval", "loader", "pipeline", "gpu", "serving", "train_time", "catalogue", "retrain", "bigindex",
+         "grid", "methods")
+
+
+def measured_since(name: str, since: datetime.datetime) -> bool:
+    """Whether `name`'s default results file is clean and started at or after `since`."""
+    from benchmarks.common import RESULTS_DIR
+
+    stem = {"memory": "memory_cuda" if _has_cuda() else "memory_cpu"}.get(name, name)
+    try:
+        record = json.loads((RESULTS_DIR / f"{stem}.json").read_text())["provenance"]
+        started = _utc(record["started_utc"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return not record.get("dirty") and started >= since
+
+
+def _utc(text: str) -> datetime.datetime:
+    when = datetime.datetime.fromisoformat(text)
+    return when if when.tzinfo else when.replace(tzinfo=datetime.timezone.utc)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def run(name: str, argv: list[str], allow_dirty: bool = False) -> None:
@@ -118,8 +150,19 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     quick = ["--quick"] if "--quick" in rest else []
+    since = None
+    if "--since" in rest:
+        at = rest.index("--since")
+        try:
+            since = _utc(rest[at + 1])
+        except (IndexError, ValueError):
+            print("benchmarks all: --since needs a UTC time such as 2026-11-27T03:20", file=sys.stderr)
+            return 2
     failed = []
     for each in NAMES:
+        if since is not None and measured_since(each, since):
+            print(f"== {each}: measured since {since.isoformat()}, skipped", flush=True)
+            continue
         print(f"== {each}", flush=True)
         try:
             run(each, list(quick), allow_dirty)

@@ -100,7 +100,10 @@ def memory_section(data: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     out = [title, "", _header(data), "",
            f"Loss + memory update per training step on {data['device']} ({rows[0]['basis']}, torch with "
            f"{data['threads']} thread(s)): the criterion `build_criterion` makes from params.yaml (SupCon with the "
-           "pair-margin miner) against a full memory, forward and backward; `pml` is pytorch-metric-learning's "
+           "pair-margin miner"
+           + (f"; here with {', '.join(f'`{o}`' for o in data['criterion_overrides'])}: the same loss work for "
+              "every memory, so a ratio is the adaptation's own cost" if data.get("criterion_overrides") else "")
+           + ") against a full memory, forward and backward; `pml` is pytorch-metric-learning's "
            "`CrossBatchMemory` used directly with the same loss, miner and size, `none` the loss on the batch "
            "alone. Workload `clustered`: a fixed set of "
            f"{w.get('classes')} classes (centres at spread {w.get('spread')} around a shared direction, samples at "
@@ -578,7 +581,8 @@ def main(argv: list[str] | None = None) -> Path:
     parts, targets = [], []
     if promise := _load("promise"):
         parts.append(promise_section(promise))
-    for name, section in (("memory_cpu", memory_section), ("memory_quick", memory_section),
+    for name, section in (("memory_cpu", memory_section), ("memory_cpu_all_pairs", memory_section),
+                          ("memory_quick", memory_section),
                           ("memory_cuda", memory_section), ("eval", eval_section), ("eval_quick", eval_section),
                           ("loader", loader_section)):
         if data := _load(name):

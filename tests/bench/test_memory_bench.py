@@ -80,6 +80,32 @@ def test_measure_reports_paired_per_step_ratios():
     # The step's ratio decomposed: each memory's update alone, and the pairs mined against each memory.
     assert set(row["update_ms"]) == set(row["mined_pairs_last_batch"]) == {"pml", "xbm", "axbn"}
     assert all(v > 0 for v in row["update_ms"].values()) and row["update_over_xbm_step"]["xbm"] == 0
+    # The update timed inside each step: XBM's step with XBM's update swapped for the method's, per round.
+    update = row["adaptation_ratio"]["axbn/xbm"]
+    assert set(row["adaptation_ratio"]) == {"axbn/xbm"} and update["n"] == 3
+    assert update["p25"] <= update["median"] <= update["p75"]
+
+
+def test_the_adaptation_ratio_swaps_xbms_update_for_the_methods_in_xbms_step():
+    steps = {"xbm": [0.010, 0.020, 0.010]}
+    updates = {"xbm": [0.001, 0.001, 0.001], "xbn": [0.002, 0.003, 0.0015], "pml": [0.0005] * 3}
+    got = memory_bench.adaptation_ratio(steps, updates)
+    assert set(got) == {"xbn/xbm"}  # PML's memory is not an adaptation
+    # per round: 1 + (0.001 / 0.010), 1 + (0.002 / 0.020), 1 + (0.0005 / 0.010)
+    assert got["xbn/xbm"]["median"] == pytest.approx(1.1) and got["xbn/xbm"]["n"] == 3
+
+
+def test_without_a_miner_every_pair_is_counted_and_the_loss_work_is_the_same_for_every_memory():
+    workload = ClusteredWorkload(dim=64)
+    module = build("xbn", 256, 64, 16, CPU, ("loss.miner=null",))
+    fill(module, *workload.memory(256))
+    assert module.memory.miner is None
+    x, y = workload.batch(16)
+    pairs = mined_pairs(module, x, y)
+    assert pairs["positive_pairs"] + pairs["negative_pairs"] == 16 * 256
+    row = measure(workload, 256, 16, steps=2, warmup=0, device=CPU, methods=("none", "xbm", "xbn"),
+                  overrides=("loss.miner=null",))
+    assert row["mined_pairs_last_batch"]["xbm"] == row["mined_pairs_last_batch"]["xbn"]
 
 
 def test_targets_read_the_whole_interval_at_the_largest_memory():

@@ -71,7 +71,6 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         self._failed_at = torch.zeros((), dtype=torch.float64)
         self._failed: torch.Tensor | None = None
         self._identity: torch.Tensor | None = None  # the map (scale 1, shift 0) a non-finite update becomes
-        self._zeros: torch.Tensor | None = None  # dotted with the checked stack: 0 if all finite, else NaN
 
     # -- state that PML keeps outside state_dict -------------------------------------------------------------
     def get_extra_state(self):
@@ -149,7 +148,7 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         if self._clean.device != device:
             self._clean, self._failed_at = self._clean.to(device), self._failed_at.to(device)
             self._failed = None if self._failed is None else self._failed.to(device)
-            self._identity = self._zeros = None
+            self._identity = None
 
     def _add_sums(self, sums: torch.Tensor, sign: int) -> None:
         self.row_sum.add_(sums[0], alpha=sign)
@@ -212,13 +211,13 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
     def _finite_or_identity(self, checked: torch.Tensor, affine: torch.Tensor) -> torch.Tensor:
         """`affine` if every value in `checked` is finite, else the identity map; the first such update is
         kept (where, and the stack itself), all decided on the device (no host wait)."""
-        flat = checked.view(-1)
-        if self._zeros is None or self._zeros.numel() != flat.numel():
-            self._zeros = torch.zeros_like(flat)
+        if self._identity is None or self._identity.shape != affine.shape:
             self._identity = torch.stack([torch.ones_like(affine[0]), torch.zeros_like(affine[0])])
         if self._failed is None or self._failed.shape != checked.shape:
             self._failed = torch.zeros_like(checked)
-        finite = torch.dot(flat, self._zeros) == 0  # 0 * finite = 0, 0 * inf = 0 * nan = nan
+        # One NaN or inf anywhere makes the sum NaN or inf (inf - inf = NaN); two small kernels, where
+        # isfinite().all() costs ~10x more on a CPU (36 vs 3 us at 9 x 512) and a dot with zeros ~8x.
+        finite = checked.sum().isfinite()
         first = self._clean > finite
         self._clean.logical_and_(finite)  # in place, as below: no nn.Module.__setattr__ per step
         at = self.iteration if self.iteration is not None else -(self.adaptation_steps + 1)
