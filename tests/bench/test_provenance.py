@@ -89,7 +89,7 @@ def test_the_gpu_bench_without_cuda_keeps_a_measured_result(repo, tmp_path, monk
     provenance.begin(["python", "-m", "benchmarks", "gpu"], repo=repo)
 
     assert gpu_bench.main([])["status"].startswith("not run")  # nothing measured yet: the record says so
-    measured = {"real": {"images_per_s": 900.0}, "provenance": {"git_commit": "82e39e16"}}
+    measured = {"status": "ok", "real_images_per_s": 900.0, "provenance": {"git_commit": "82e39e16"}}
     (out / "gpu.json").write_text(json.dumps(measured))
     assert gpu_bench.main([]) == measured
     assert json.loads((out / "gpu.json").read_text()) == measured
