@@ -31,7 +31,7 @@ run: install
 	@$(BIN)/xbn summary
 
 test: install
-	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=20 tests
 
 # `make bench BENCH_ARGS="--quick --allow-dirty"`: the smoke variants, from a tree with uncommitted changes.
 bench: install
