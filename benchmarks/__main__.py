@@ -25,14 +25,13 @@ results exist, so a benchmark that was not re-run keeps its previous numbers (wi
 Options after the name go to that benchmark; `--help` after a name lists them.
 
 `all --since 2026-11-27T03:20` skips each benchmark whose results file is clean and started at or after that
-UTC time: a serial run of everything (about 3.5 hours on a 2-core AVX2 machine) that a stopped session left
-half done goes on where it stopped, each file keeping its own commit, load and CPU flags.
+UTC time: a serial run of everything (longer than a 3-hour session on a 2-core AVX2 machine) that a stopped
+session left half done goes on where it stopped, each file keeping its own commit, load and CPU flags.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import sys
 import traceback
 
@@ -46,13 +45,13 @@ NAMES = ("memory", "eval", "loader", "pipeline", "gpu", "serving", "train_time",
 
 def measured_since(name: str, since: datetime.datetime) -> bool:
     """Whether `name`'s default results file is clean and started at or after `since`."""
-    from benchmarks.common import RESULTS_DIR
+    from benchmarks.common import read_result
 
     stem = {"memory": "memory_cuda" if _has_cuda() else "memory_cpu"}.get(name, name)
     try:
-        record = json.loads((RESULTS_DIR / f"{stem}.json").read_text())["provenance"]
+        record = (read_result(stem) or {})["provenance"]
         started = _utc(record["started_utc"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return False
     return not record.get("dirty") and started >= since
 

@@ -6,6 +6,7 @@ not sampled), and so that a contender running out of memory is recorded instead 
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import resource
@@ -64,6 +65,14 @@ def write_result(name: str, data: dict[str, Any]) -> Path:
     path = RESULTS_DIR / f"{name}.json"
     write_json(path, data | {"provenance": provenance.finish()})
     return path
+
+
+def read_result(name: str) -> dict[str, Any] | None:
+    """`benchmarks/results/<name>.json` as written by `write_result`, or None if it is missing or unreadable."""
+    try:
+        return json.loads((RESULTS_DIR / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def current_rss_gb() -> float:

@@ -17,7 +17,6 @@ an earlier GPU result and otherwise writes `status: not run`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, machine_info, write_result
+from benchmarks.common import machine_info, read_result, write_result
 
 PACKAGES = ("torch", "torchvision", "timm", "pytorch-metric-learning")
 
@@ -158,12 +157,8 @@ def _served_paths(model: torch.nn.Module, data_config: dict, images: torch.Tenso
 
 def _measured(name: str) -> dict[str, Any] | None:
     """The results file `name` when it holds a GPU measurement (not a 'not run' record), else None."""
-    path = RESULTS_DIR / f"{name}.json"
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    measured = "provenance" in data and not str(data.get("status", "")).startswith("not run")
+    data = read_result(name)
+    measured = data is not None and "provenance" in data and not str(data.get("status", "")).startswith("not run")
     return data if measured else None
 
 

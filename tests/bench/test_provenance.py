@@ -83,7 +83,6 @@ def test_the_gpu_bench_without_cuda_keeps_a_measured_result(repo, tmp_path, monk
     out = tmp_path / "out"
     out.mkdir()
     monkeypatch.setattr(common, "RESULTS_DIR", out)
-    monkeypatch.setattr(gpu_bench, "RESULTS_DIR", out)
     monkeypatch.setattr(gpu_bench.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(gpu_bench, "machine_info", lambda packages: {})
     provenance.begin(["python", "-m", "benchmarks", "gpu"], repo=repo)

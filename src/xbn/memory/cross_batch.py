@@ -215,8 +215,8 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
             self._identity = torch.stack([torch.ones_like(affine[0]), torch.zeros_like(affine[0])])
         if self._failed is None or self._failed.shape != checked.shape:
             self._failed = torch.zeros_like(checked)
-        # One NaN or inf anywhere makes the sum NaN or inf (inf - inf = NaN); two small kernels, where
-        # isfinite().all() costs ~10x more on a CPU (36 vs 3 us at 9 x 512) and a dot with zeros ~8x.
+        # One NaN or inf anywhere makes the sum NaN or inf (inf - inf = NaN). At 9 x 512 on an AVX2 CPU a sum
+        # took 3 us, isfinite().all() 36 and a dot with zeros 26.
         finite = checked.sum().isfinite()
         first = self._clean > finite
         self._clean.logical_and_(finite)  # in place, as below: no nn.Module.__setattr__ per step
