@@ -26,7 +26,8 @@ Options after the name go to that benchmark; `--help` after a name lists them.
 
 `all --since 2026-11-27T03:20` skips each benchmark whose results file is clean and started at or after that
 UTC time: a serial run of everything (longer than a 3-hour session on a 2-core AVX2 machine) that a stopped
-session left half done goes on where it stopped, each file keeping its own commit, load and CPU flags.
+session left half done goes on where it stopped, each file keeping its own commit, load and CPU flags. Before
+each benchmark `all` waits (at most 10 minutes) for the 1-minute load to fall under 1.0.
 """
 
 from __future__ import annotations
@@ -162,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         if since is not None and measured_since(each, since):
             print(f"== {each}: measured since {since.isoformat()}, skipped", flush=True)
             continue
-        print(f"== {each}", flush=True)
+        load, waited = provenance.settle()
+        print(f"== {each} (1-minute load {load}" + (f", after {waited:.0f} s waiting for it to settle)" if waited
+                                                     else ")"), flush=True)
         try:
             run(each, list(quick), allow_dirty)
         except provenance.DirtyTreeError as err:

@@ -18,6 +18,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -136,6 +137,20 @@ def begin(argv: list[str] | None = None, *, allow_dirty: bool = False, repo: Pat
                    dirty=bool(paths), dirty_paths=paths, started_utc=utc_now(),
                    loadavg_1min_before=round(os.getloadavg()[0], 2), machine=machine())
     return _current
+
+
+def settle(below: float = 1.0, at_most_s: float = 600.0, poll_s: float = 10.0, *, load=None, sleep=time.sleep
+           ) -> tuple[float, float]:
+    """Wait until the 1-minute load average is under `below`, for at most `at_most_s`; returns (the load then,
+    seconds waited). The previous benchmark's own work decays from that average with a 1-minute time
+    constant, so `all` waits here before each benchmark rather than start it on a tail of its predecessor
+    (seen: loads of 2.0-2.3 at the start of eval, train_time and catalogue)."""
+    load = load or (lambda: os.getloadavg()[0])
+    waited = 0.0
+    while (now := load()) >= below and waited < at_most_s:
+        sleep(poll_s)
+        waited += poll_s
+    return round(now, 2), waited
 
 
 def current() -> Run | None:

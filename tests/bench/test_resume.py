@@ -7,7 +7,7 @@ import datetime
 import json
 
 from benchmarks import __main__ as cli
-from benchmarks import common
+from benchmarks import common, provenance
 
 
 def _result(directory, stem, started, dirty=False):
@@ -24,10 +24,23 @@ def test_all_since_skips_what_was_measured_since_and_runs_the_rest(tmp_path, mon
     ran = []
     monkeypatch.setattr(cli, "NAMES", ("memory", "eval", "loader", "pipeline"))
     monkeypatch.setattr(cli, "run", lambda name, argv, allow_dirty=False: ran.append(name))
+    monkeypatch.setattr(provenance, "settle", lambda: (0.4, 30.0))
 
     assert cli.main(["all", "--since", "2026-11-27T03:20"]) == 0
     assert ran == ["eval", "loader", "pipeline", "report"]
-    assert "memory: measured since 2026-11-27T03:20:00+00:00, skipped" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "memory: measured since 2026-11-27T03:20:00+00:00, skipped" in out
+    assert "== eval (1-minute load 0.4, after 30 s waiting for it to settle)" in out
+
+
+def test_settle_waits_for_the_load_to_fall_and_gives_up_after_its_limit():
+    loads, slept = iter([2.3, 1.6, 1.1, 0.8, 0.5]), []
+    assert provenance.settle(1.0, 600, 10, load=lambda: next(loads), sleep=slept.append) == (0.8, 30.0)
+    assert slept == [10, 10, 10]
+    busy = []
+    assert provenance.settle(1.0, 25, 10, load=lambda: 3.0, sleep=busy.append) == (3.0, 30.0)
+    assert len(busy) == 3  # at most at_most_s (rounded up to a poll), then the benchmark starts anyway
+    assert provenance.settle(1.0, load=lambda: 0.2, sleep=busy.append) == (0.2, 0.0) and len(busy) == 3
 
 
 def test_measured_since_compares_times_not_strings(tmp_path, monkeypatch):

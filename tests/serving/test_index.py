@@ -13,9 +13,11 @@ from xbn.serving.index import (
     CatalogueIndex,
     IndexConfig,
     IndexMismatch,
+    GroundTruth,
     append_catalogue,
     build_catalogue,
     recall_at_k,
+    recall_on,
 )
 from xbn.serving.sources import read_source
 
@@ -45,6 +47,34 @@ def test_flat_recall_is_one_and_search_matches_brute_force():
     brute = np.argsort(-(x[:5] @ x.T), axis=1)[:, :10]
     np.testing.assert_array_equal(rows, brute)
     np.testing.assert_allclose(scores, np.take_along_axis(x[:5] @ x.T, brute, 1), atol=1e-5)
+
+
+class SwappedTies:
+    """An exact index over `x` that returns row j + `shift` where the truth has its duplicate j, as a flat
+    index breaking equal scores the other way round would; with `worst`, the k-th neighbour is replaced by
+    the catalogue's least similar row, a real miss."""
+
+    def __init__(self, x: np.ndarray, shift: int, worst: bool = False):
+        self.x, self.shift, self.worst = x, shift, worst
+
+    def search(self, queries: np.ndarray, k: int):
+        sims = queries @ self.x.T
+        ids = np.argsort(-sims, axis=1, kind="stable")[:, :k]
+        ids = np.where(ids < self.shift, ids + self.shift, ids - self.shift)
+        if self.worst:
+            ids[:, -1] = np.argmin(sims, axis=1)
+        return np.take_along_axis(sims, ids, 1), ids
+
+
+def test_recall_counts_a_neighbour_tied_with_the_kth_as_found():
+    # the catalogue twice over: every row has an exact duplicate, so the exact top 9 (4 pairs and one of the
+    # 5th) is a choice between ties, and a flat index may choose the other copy (seen: a flat catalogue
+    # index's recall@10 of 0.99896)
+    half = clustered(300)
+    x = np.concatenate([half, half])
+    truth = GroundTruth.of(x, clustered(40, seed=1), 9)
+    assert recall_on(SwappedTies(x, 300), truth) == 1.0
+    assert recall_on(SwappedTies(x, 300, worst=True), truth) == pytest.approx(8 / 9)
 
 
 @pytest.mark.parametrize(

@@ -194,46 +194,64 @@ def sample_rows(n: int, sample: int, seed: int, avoid: np.ndarray | None = None)
     return np.sort(np.random.default_rng(seed).choice(pool, min(sample, len(pool)), replace=False))
 
 
+# A returned neighbour counts as found when its exact similarity is within TIE_TOLERANCE of the exact k-th
+# one's (ann-benchmarks' recall): the catalogue can hold duplicate images, and two exact searches that sum in
+# another order may rank equal scores either way round (float32 on unit vectors of d <= 2048 differs by
+# about 1e-6). TIE_SLACK more exact neighbours than k are kept to know the ids tied with the k-th.
+TIE_TOLERANCE = 1e-5
+TIE_SLACK = 10
+
+
 @dataclass
 class GroundTruth:
-    """Queries and their exact top-k: computed once, so several settings of one index are scored on them.
+    """Queries and their exact neighbours: computed once, so several settings of one index are scored on them.
+    `exact` and `scores`: the ids and similarities of each query's exact top k + TIE_SLACK, best first.
     `rows`: the catalogue rows the queries are (each left out of its own results), or None."""
 
     queries: np.ndarray
     exact: np.ndarray | None  # None: nothing to rank (a one-row catalogue)
+    scores: np.ndarray | None
     rows: np.ndarray | None
     k: int
 
     @classmethod
     def of(cls, references: Any, queries: Any, k: int, rows: np.ndarray | None = None) -> GroundTruth:
-        """Exact top-k of `queries` over `references`; without `queries`, of the catalogue `rows`."""
+        """Exact neighbours of `queries` over `references`; without `queries`, of the catalogue `rows`."""
         references = as_float32_matrix(references, "references")
         if queries is None:
             queries = references[rows]
         else:
             queries, rows = unit_rows(queries, "queries"), None
         k = min(k, len(references) - int(rows is not None))
-        exact = knn_search(queries, references, k, exclude=rows)[1] if k >= 1 and len(queries) else None
-        return cls(queries, exact, rows, k)
+        if k < 1 or not len(queries):
+            return cls(queries, None, None, rows, k)
+        scores, exact = knn_search(queries, references, k + TIE_SLACK, exclude=rows)
+        return cls(queries, exact, scores, rows, k)
 
     def subset(self, rows: np.ndarray) -> GroundTruth:
         """The queries that are the catalogue rows `rows` (all among `self.rows`)."""
         keep = np.isin(self.rows, rows)
-        exact = None if self.exact is None else self.exact[keep]
-        return GroundTruth(self.queries[keep], exact, self.rows[keep], self.k)
+        if self.exact is None:
+            return GroundTruth(self.queries[keep], None, None, self.rows[keep], self.k)
+        return GroundTruth(self.queries[keep], self.exact[keep], self.scores[keep], self.rows[keep], self.k)
+
+    def found(self, i: int, got: np.ndarray) -> int:
+        """How many of the ids `got` (a top k) are among query i's exact top k, ties with the k-th included."""
+        good = self.exact[i][self.scores[i] >= self.scores[i, self.k - 1] - TIE_TOLERANCE]
+        return len(set(good.tolist()) & set(got.tolist()))
 
 
 def recall_on(index: faiss.Index, truth: GroundTruth) -> float:
-    """recall@k of `index` (as it is set now) on `truth`'s queries."""
+    """recall@k of `index` (as it is set now) on `truth`'s queries (a neighbour tied with the k-th counts)."""
     if truth.exact is None:
         return 1.0  # nothing to rank: no way to miss
     held_out = int(truth.rows is not None)
     _, approx = index.search(truth.queries, truth.k + held_out)  # one more: the query's own row is dropped
     found = 0
-    for i, (want, got) in enumerate(zip(truth.exact, approx)):
+    for i, got in enumerate(approx):
         if truth.rows is not None:
             got = got[got != truth.rows[i]]
-        found += len(set(want.tolist()) & set(got[: truth.k].tolist()))
+        found += truth.found(i, got[: truth.k])
     return found / (truth.k * len(truth.queries))
 
 

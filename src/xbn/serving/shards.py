@@ -46,6 +46,7 @@ from xbn.serving.index import (
     INDEX_FILE,
     META_FILE,
     RECALL_K,
+    TIE_SLACK,
     CatalogueIndex,
     GroundTruth,
     _id_map,
@@ -200,8 +201,8 @@ def streamed_recall(index: faiss.Index, shards: Sequence[Path], sample: int, see
 
 
 def streamed_truth(shards: Sequence[Path], rows: np.ndarray, k: int = RECALL_K) -> GroundTruth:
-    """The exact top-k of the catalogue rows `rows` (sorted), each held out of its own results, merged shard
-    by shard (one shard in memory at a time)."""
+    """The exact neighbours of the catalogue rows `rows` (sorted), each held out of its own results, merged
+    shard by shard (one shard in memory at a time)."""
     counts = _rows(shards)
     total = sum(counts)
     k = min(k, total - 1)
@@ -209,20 +210,21 @@ def streamed_truth(shards: Sequence[Path], rows: np.ndarray, k: int = RECALL_K) 
     queries = np.concatenate([unit_rows(read_embeddings(s)[1], "embeddings")[
         rows[(rows >= a) & (rows < b)] - a] for s, a, b in zip(shards, starts, starts[1:])])
     if k < 1:
-        return GroundTruth(queries, None, rows, k)  # one row: nothing to rank
-    best_s = np.full((len(rows), k), -np.inf, dtype=np.float32)
-    best_i = np.full((len(rows), k), -1, dtype=np.int64)
+        return GroundTruth(queries, None, None, rows, k)  # one row: nothing to rank
+    wide = min(k + TIE_SLACK, total - 1)
+    best_s = np.full((len(rows), wide), -np.inf, dtype=np.float32)
+    best_i = np.full((len(rows), wide), -1, dtype=np.int64)
     for shard, a, b in zip(shards, starts, starts[1:]):
         refs = unit_rows(read_embeddings(shard)[1], "embeddings")
         # a query inside this shard is left out of its own results, by row
         local = np.where((rows >= a) & (rows < b), rows - a, -1)
-        s, i = knn_search(queries, refs, min(k + 1, len(refs)))
+        s, i = knn_search(queries, refs, min(wide + 1, len(refs)))
         i = np.where(i == local[:, None], -1, i + a)
         s = np.where(i < 0, -np.inf, s)
         merged_s, merged_i = np.concatenate([best_s, s], 1), np.concatenate([best_i, i], 1)
-        order = np.argsort(-merged_s, axis=1, kind="stable")[:, :k]
+        order = np.argsort(-merged_s, axis=1, kind="stable")[:, :wide]
         best_s, best_i = np.take_along_axis(merged_s, order, 1), np.take_along_axis(merged_i, order, 1)
-    return GroundTruth(queries, best_i, rows, k)
+    return GroundTruth(queries, best_i, best_s, rows, k)
 
 
 def shards_model(shards: Sequence[str | Path]) -> str:
