@@ -583,7 +583,8 @@ def main(argv: list[str] | None = None) -> Path:
         parts.append(promise_section(promise))
     for name, section in (("memory_cpu", memory_section), ("memory_cpu_all_pairs", memory_section),
                           ("memory_quick", memory_section),
-                          ("memory_cuda", memory_section), ("eval", eval_section), ("eval_quick", eval_section),
+                          ("memory_cuda", memory_section), ("memory_cuda_all_pairs", memory_section),
+                          ("eval", eval_section), ("eval_quick", eval_section),
                           ("loader", loader_section)):
         if data := _load(name):
             text, found = section(data)
