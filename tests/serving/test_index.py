@@ -11,9 +11,9 @@ import pytest
 
 from xbn.serving.index import (
     CatalogueIndex,
+    GroundTruth,
     IndexConfig,
     IndexMismatch,
-    GroundTruth,
     append_catalogue,
     build_catalogue,
     recall_at_k,

@@ -231,9 +231,8 @@ class GroundTruth:
     def subset(self, rows: np.ndarray) -> GroundTruth:
         """The queries that are the catalogue rows `rows` (all among `self.rows`)."""
         keep = np.isin(self.rows, rows)
-        if self.exact is None:
-            return GroundTruth(self.queries[keep], None, None, self.rows[keep], self.k)
-        return GroundTruth(self.queries[keep], self.exact[keep], self.scores[keep], self.rows[keep], self.k)
+        exact, scores = (None, None) if self.exact is None else (self.exact[keep], self.scores[keep])
+        return GroundTruth(self.queries[keep], exact, scores, self.rows[keep], self.k)
 
     def found(self, i: int, got: np.ndarray) -> int:
         """How many of the ids `got` (a top k) are among query i's exact top k, ties with the k-th included."""
