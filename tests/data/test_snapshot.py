@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 from xbn.config import ConfigError
+from xbn.data import DatasetError
 from xbn.data.snapshot import DATA_FILES, DATA_RECORD, diff_files, diff_line, read_record, restore, snapshot
 from xbn.utils.errors import ServiceUnavailableError
 
@@ -86,6 +87,8 @@ def test_a_snapshot_records_the_folder_and_comes_back_exactly(project, tiny_para
     with pytest.raises(FileExistsError, match="not empty"):
         restore(first.dvc_record(), tmp_path / "v2")
     assert digests(tmp_path / "v2") == v2  # refused, and untouched
+    # Nothing of its own left behind: the `.dvc` holder in the project, the staging folders beside the destination.
+    assert not list(project.glob(".xbn-restore*")) and not list(tmp_path.glob(".v*.restoring-*"))
 
     # A fresh project that has only the remote's address.
     clone = tmp_path / "clone"
@@ -137,3 +140,32 @@ def test_a_git_ignored_record_is_refused_with_the_line_to_add(project, tiny_para
         snapshot(params)
     (project / ".gitignore").write_text("/data/*\n!/data/*.dvc\n")  # as it is now
     assert snapshot(params).md5
+
+
+@pytest.mark.parametrize("field, value", [
+    ("md5", "../../victim/x.dir"), ("md5", "/ABS/victim/x.dir"), ("md5", "0" * 31 + ".dir"),
+    ("md5", "0" * 32 + ".dir\n"), ("md5", None), ("path", ".."), ("path", "../victim"), ("path", "a\0b"),
+    ("nfiles", True), ("size", -1),
+])
+def test_a_tampered_record_is_refused_by_name_and_deletes_nothing(project, tmp_path, field, value):
+    """Issue 41: the record comes back from a run anyone who may log to it can rewrite. An md5 of
+    `../../victim/x.dir` (or an absolute one) once made restore delete `victim`; now a field DVC would never write
+    is refused, naming it, before any file is touched."""
+    victim = tmp_path / "victim"
+    (victim / "x").mkdir(parents=True)
+    (victim / "x" / "keep.txt").write_text("mine")
+    value = value.replace("/ABS", str(tmp_path)) if isinstance(value, str) else value
+    out = {"md5": "0" * 32 + ".dir", "size": 10, "nfiles": 1, "hash": "md5", "path": "catalogue", field: value}
+    with pytest.raises(DatasetError, match=f"record's {field}"):
+        restore({"outs": [out]}, tmp_path / "restored")
+    assert (victim / "x" / "keep.txt").read_text() == "mine" and not (tmp_path / "restored").exists()
+    for record in ({"outs": []}, {"outs": [out, out]}, {"outs": "x"}, ["outs"]):
+        with pytest.raises(DatasetError, match="one folder"):
+            restore(record, tmp_path / "restored")
+
+
+def test_a_symlink_destination_is_refused(project, tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(FileExistsError, match="symbolic link"):
+        restore({"outs": [{"md5": "0" * 32 + ".dir", "path": "catalogue"}]}, tmp_path / "link")

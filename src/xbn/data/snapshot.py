@@ -21,7 +21,9 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
+import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -133,37 +135,70 @@ def snapshot(params: Params, push: bool = True) -> DataSnapshot:
     return found
 
 
+# What DVC writes as a folder's or a file's md5: 32 hex digits, `.dir` for a folder (its listing object).
+DVC_MD5 = re.compile(r"[0-9a-f]{32}(\.dir)?")
+
+
+def checked_output(record: Any) -> dict[str, Any]:
+    """The one output of a `.dvc` record read back from a run, as DVC would have written it, or DatasetError
+    naming the field. The record is untrusted input: anyone who may log to the run can rewrite it, and its
+    `md5` and `path` become paths on this machine (an md5 of `../../x.dir` once made `restore` delete `..`)."""
+    outs = record.get("outs") if isinstance(record, Mapping) else None
+    if not isinstance(outs, list) or len(outs) != 1 or not isinstance(outs[0], Mapping):
+        raise DatasetError("the data record is not a DVC record of one folder ('outs' with one entry)")
+    out = outs[0]
+    md5, path = out.get("md5"), out.get("path")
+    if not isinstance(md5, str) or not DVC_MD5.fullmatch(md5):
+        raise DatasetError(f"the data record's md5 {md5!r} is not one DVC writes (32 hex digits, optionally "
+                           "'.dir'): refusing to restore it")
+    if not isinstance(path, str) or path in ("", ".", "..") or "/" in path or "\\" in path or "\0" in path:
+        raise DatasetError(f"the data record's path {path!r} is not a folder name (no separators, not '.' or "
+                           "'..'): refusing to restore it")
+    for key in ("size", "nfiles"):
+        value = out.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise DatasetError(f"the data record's {key} {value!r} is not a count: refusing to restore it")
+    return {"md5": md5, "size": out.get("size"), "nfiles": out.get("nfiles"), "hash": "md5", "path": path}
+
+
 def restore(record: Mapping[str, Any], destination: str | Path) -> int:
     """Bring the folder of a `.dvc` record (`dvc_record()`) back into `destination` from the DVC remote of the
     project in the working directory (or its cache); returns the number of files. Refuses a destination that
-    exists with other contents (nothing is overwritten); an interrupted restore leaves no partial folder."""
+    exists with other contents (nothing is overwritten); an interrupted restore leaves no partial folder.
+    Deletes only the folders it created itself, whatever the record says."""
     from dvc.api import DVCFileSystem
 
+    out = checked_output(record)
     destination = Path(destination)
+    if destination.is_symlink():
+        raise FileExistsError(f"{destination} is a symbolic link: restore into a new or empty folder")
     if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
         raise FileExistsError(f"{destination} exists and is not empty: restore into a new or empty folder")
-    (out,) = record["outs"]
+    destination.parent.mkdir(parents=True, exist_ok=True)
     with _project() as repo:
         _reachable_remote(repo)
         # A `.dvc` file in the project, for DVC to resolve; removed afterwards (it records nothing new).
-        holder = Path(repo.root_dir) / ".xbn-restore" / out["md5"].removesuffix(".dir")
-        holder.mkdir(parents=True, exist_ok=True)
-        dvc_file = holder / f"{out['path']}.dvc"
+        holder = Path(tempfile.mkdtemp(prefix=".xbn-restore-", dir=repo.root_dir))
         try:
-            dvc_file.write_text(json.dumps({"outs": [out]}))  # YAML is a superset of JSON
-            staging = destination.parent / f".{destination.name}.restoring-{os.getpid()}"
-            shutil.rmtree(staging, ignore_errors=True)
+            (holder / f"{out['path']}.dvc").write_text(json.dumps({"outs": [out]}))  # YAML is a superset of JSON
+            # Beside the destination, so that the final rename stays on one filesystem.
+            staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.restoring-", dir=destination.parent))
             try:
                 fs = DVCFileSystem(repo=repo)
-                fs.get(str((holder / out["path"]).relative_to(repo.root_dir)), str(staging), recursive=True)
-                count = sum(len(files) for *_, files in os.walk(staging))
-                if destination.exists():
-                    destination.rmdir()  # empty, checked above
-                staging.rename(destination)
+                fs.get(str((holder / out["path"]).relative_to(repo.root_dir)), str(staging / "data"),
+                       recursive=True)
+                count = sum(len(files) for *_, files in os.walk(staging / "data"))
+                try:
+                    if destination.exists():
+                        destination.rmdir()  # empty, checked above
+                    (staging / "data").rename(destination)
+                except OSError as exc:  # another restore (or a user) filled it in the meantime
+                    raise FileExistsError(f"{destination} was created while restoring ({exc.strerror}): "
+                                          "restore into a new or empty folder") from None
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
         finally:
-            shutil.rmtree(holder.parent, ignore_errors=True)
+            shutil.rmtree(holder, ignore_errors=True)
     return count
 
 

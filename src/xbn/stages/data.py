@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from xbn.config import Params
+from xbn.data.errors import DatasetError
 from xbn.data.snapshot import DataSnapshot, restore, snapshot
 from xbn.utils.errors import RegistryError
 
@@ -43,7 +44,10 @@ def restore_data(params: Params, destination: str | Path, version: int | None = 
     if found is None:
         raise RegistryError(f"{what} recorded no data snapshot (trained before xbn took them, or outside the "
                             "retrain flow): its images cannot be restored")
-    record = DataSnapshot(**found[0])
+    try:  # read back from the run: untrusted, checked field by field in `restore`
+        record = DataSnapshot(**found[0])
+    except TypeError as exc:
+        raise DatasetError(f"{what}'s data record (data/data.json) is not one xbn writes: {exc}") from None
     if record.md5 is None:
         raise RegistryError(f"{what} trained on unversioned data (data.version: none): nothing to restore")
     count = restore(record.dvc_record(), destination)
