@@ -51,6 +51,10 @@ METHODS: dict[str, list[str]] = {
     "xbm*": ["memory.method=xbm", "memory.add_batch_loss=true"],
     "xbn": ["memory.method=xbn"],
     "axbn": ["memory.method=axbn"],  # seed 000's p0 = 1, q = 1, r = 0.01, N = 100 (the shipped values)
+    # Issue 45: the drift-corrected memories with the minibatch loss added, as the official XBM code always does
+    # (PML's memory detaches its own rows, so a fresh in-batch pair gets gradient through its query side only).
+    "xbn*": ["memory.method=xbn", "memory.add_batch_loss=true"],
+    "axbn*": ["memory.method=axbn", "memory.add_batch_loss=true"],
     "ema": ["memory.method=ema"],  # m = 0.1, the paper's convention and best value (shipped)
     "axbn_auto": ["memory.method=axbn_auto"],
     # The memory size `xbn tune` preferred on the glyphs' validation split (docs/tuning.md: about 0.07).
