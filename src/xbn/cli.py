@@ -455,6 +455,9 @@ def _init(args) -> int:
     except ConfigError as exc:
         print(f"xbn init: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    except PermissionError as exc:  # a read-only folder: one line, not a traceback
+        print(f"xbn init: cannot write here: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     print(f"wrote {path} for the {args.dataset} dataset at {args.root}; next: xbn run")
     return 0
 
@@ -495,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
         ((ServiceUnavailableError,), EXIT_SERVICE),  # the tracking store is down: nothing was started
         # Nothing to serve or to roll back to, an unknown version, no index attached; a non-finite loss (the
         # message names the iteration; the last good checkpoint is kept).
-        ((RegistryError, NonFiniteLossError, TrainingStalledError), EXIT_FAILURE),
+        # PermissionError: a read-only working folder or output (the message names the file).
+        ((RegistryError, NonFiniteLossError, TrainingStalledError, PermissionError), EXIT_FAILURE),
     )
     try:
         if args.command in STAGE_COMMANDS:

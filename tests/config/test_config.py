@@ -40,6 +40,17 @@ def test_bad_values_are_refused_by_key(override, named):
         load_params(ROOT / "params.yaml", [override])
 
 
+@pytest.mark.parametrize("override", ["train.lr=true", "registry.min_improvement=true", "train.epochs=false",
+                                      "memory.size=true", "train.seed=true"])
+def test_a_boolean_is_not_a_number(override):
+    # Issue 41: pydantic's lax mode read `true` as 1 (lr 1.0; a min_improvement that promotes nothing ever).
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}: a number, not the boolean"):
+        load_params(ROOT / "params.yaml", [override])
+    # A key that takes a boolean or a word keeps it.
+    assert load_params(ROOT / "params.yaml", ["train.channels_last=true"]).train.channels_last is True
+
+
 @pytest.mark.parametrize("override", ["train.channels_last._=null", "memory.start=soon"])
 def test_a_union_key_is_named_without_pydantics_member_tags(override):
     # found by the property test: the key was printed as `train.channels_last.literal['auto']`

@@ -117,3 +117,17 @@ def test_retrieval_grid_tiles_are_white_where_alpha_is_zero(tmp_path, no_warning
     # The tiles' insides (gap 6 and frame 5 before the query's; the neighbour's one cell and a 3-gap later).
     for x in (6 + 5, 6 + 26 + 18 + 5):
         assert (grid[11:27, x:x + 16] == 255).all(), "a transparent image was drawn in its hidden colour"
+
+
+def test_a_fifo_or_a_nul_byte_is_unreadable_at_once(tmp_path):
+    # Issue 41: Image.open on a FIFO blocked forever (a path inside the pyfunc's path_root); a NUL byte raised
+    # ValueError where every caller catches OSError.
+    import os
+
+    os.mkfifo(tmp_path / "pipe.png")
+    with pytest.raises(OSError, match="not a regular file"):
+        open_rgb(tmp_path / "pipe.png")
+    with pytest.raises(OSError, match="NUL byte"):
+        open_rgb(f"{tmp_path}/a\0.png")
+    with pytest.raises(OSError, match="not a regular file"):
+        open_rgb(tmp_path)

@@ -169,3 +169,12 @@ def test_a_symlink_destination_is_refused(project, tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(FileExistsError, match="symbolic link"):
         restore({"outs": [{"md5": "0" * 32 + ".dir", "path": "catalogue"}]}, tmp_path / "link")
+
+
+def test_a_snapshot_the_remote_lacks_is_a_one_line_error(project, tmp_path):
+    # Issue 41: DVC's DataIndexDirError reached the user as a traceback.
+    record = {"outs": [{"md5": "0123456789abcdef0123456789abcdef.dir", "size": 1, "nfiles": 1, "path": "gone"}]}
+    with pytest.raises(DatasetError, match="neither in the DVC remote nor in the cache"):
+        restore(record, tmp_path / "restored")
+    assert not (tmp_path / "restored").exists() and not list(tmp_path.glob(".restored.restoring-*"))
+    assert not list(project.glob(".xbn-restore*"))

@@ -98,3 +98,50 @@ def test_unreadable_files_are_reported_by_name(served, image_root, broken_image,
     report = embed_to_parquet(served, folder, out, progress=False)
     assert report.skipped == ["broken.png"] and report.rows == 4
     assert b"broken.png" in pq.read_table(out).schema.metadata[b"xbn.skipped"]
+
+
+def test_a_folder_of_only_unreadable_images_embeds_nothing_without_crashing(served, broken_image, tmp_path):
+    # Issue 41: every image skipped left `embed` with no chunk to concatenate (torch.cat of nothing).
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    shutil.copy(broken_image, folder / "broken.png")
+    report = embed_to_parquet(served, folder, tmp_path / "emb.parquet", progress=False)
+    assert report.rows == 0 and report.skipped == ["broken.png"]
+    frame, emb = read_embeddings(tmp_path / "emb.parquet")
+    assert frame.empty and not work_dir(tmp_path / "emb.parquet").exists()
+
+
+@pytest.mark.parametrize("values, named", [([1, 2], "int 1"), ([b"a.png", b"b.png"], "bytes b'a.png'"),
+                                           (["a.png", None], "row 2: 'path' must be a string")])
+def test_a_parquet_path_column_of_non_strings_is_refused_by_row(tmp_path, values, named):
+    # Issue 41: str() turned them into "1", "b'a.png'" and "nan" silently.
+    from xbn.data import DatasetError
+
+    pq.write_table(pa.table({"path": pa.array(values)}), tmp_path / "rows.parquet")
+    with pytest.raises(DatasetError, match=named.replace("(", r"\(")):
+        read_source(tmp_path / "rows.parquet")
+
+
+def test_a_nul_byte_in_a_listed_path_is_refused_by_row(tmp_path):
+    from xbn.data import DatasetError
+
+    pq.write_table(pa.table({"path": ["ok.png", "bad\0.png"]}), tmp_path / "rows.parquet")
+    with pytest.raises(DatasetError, match="line 2: .*control character"):
+        read_source(tmp_path / "rows.parquet")
+
+
+def test_an_s3_source_without_s3fs_is_a_config_error(monkeypatch):
+    import builtins
+
+    from xbn.config import ConfigError
+
+    real_import = builtins.__import__
+
+    def no_s3fs(name, *args, **kwargs):  # whether or not s3fs is installed here, as on a machine without it
+        if name == "s3fs" or name.startswith("s3fs."):
+            raise ImportError("No module named 's3fs'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_s3fs)
+    with pytest.raises(ConfigError, match="s3://bucket/rows.parquet"):
+        read_source("s3://bucket/rows.parquet")

@@ -79,6 +79,18 @@ def test_paths_are_read_only_under_the_folder_the_loader_names(params, logged, t
     got = np.array(out[EMBEDDING][:2].tolist(), dtype=np.float32)
     assert np.abs(got - np.stack([expected["rgb.png"], expected["photo.jpg"]])).max() <= PARITY
 
+    # Issue 41: a FIFO inside path_root blocked the request forever; now it is the row's error, at once.
+    import os
+
+    os.mkfifo(tmp_path / "images" / "pipe.png")
+    piped = model.predict(pd.DataFrame({PATH: ["pipe.png"]}))
+    assert piped[ERROR][0].startswith("row 0: cannot read pipe.png: not a regular file")
+    # A frame with neither column answered 200 and no rows; now it is refused, naming the columns.
+    from mlflow.exceptions import MlflowException
+
+    with pytest.raises(MlflowException, match="neither an 'image' nor a 'path' column"):
+        model.unwrap_python_model().embed_rows(pd.DataFrame({"img": [b"x"]}))
+
 
 def test_a_bad_row_gets_an_error_naming_it_and_the_others_embed(params, logged, tmp_path):
     good = write_images(tmp_path / "images")[0].read_bytes()

@@ -100,13 +100,15 @@ def test_sampled_values_become_the_trial_params(tmp_path):
 def test_the_default_space_samples_into_params():
     base = load_params(ROOT / "params.yaml")
     space = SearchSpace.from_config(base.tune)
-    fixed = {"memory.method": "axbn", "memory.size": 0.25, LAMBDA: 0.03, "memory.kalman.gain_interval": 10}
+    fixed = {"memory.method": "axbn", "memory.size": 0.25, "memory.add_batch_loss": True, LAMBDA: 0.03,
+             "memory.kalman.gain_interval": 10}
     values = space.to_params(space.sample(optuna.trial.FixedTrial(fixed)), base)
     trial = load_params(ROOT / "params.yaml", as_overrides(values))
     k = trial.memory.kalman
-    assert (trial.memory.method, trial.memory.size, k.r, k.q, k.p0, k.gain_interval) == ("axbn", 0.25, 0.03, 1.0,
-                                                                                        1.0, 10)
-    assert space.current(base) == {"memory.method": "axbn", "memory.size": 1.0, LAMBDA: 0.01,
+    assert (trial.memory.method, trial.memory.size, trial.memory.add_batch_loss, k.r, k.q, k.p0,
+            k.gain_interval) == ("axbn", 0.25, True, 0.03, 1.0, 1.0, 10)
+    assert space.current(base) == {"memory.method": base.memory.method, "memory.size": 1.0,
+                                   "memory.add_batch_loss": base.memory.add_batch_loss, LAMBDA: 0.01,
                                    "memory.kalman.gain_interval": 100}
 
 

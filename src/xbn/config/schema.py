@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import re
 import warnings
+import types
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -26,6 +28,31 @@ class Section(BaseModel):
     # allow_inf_nan=False: every float of the schema is finite (inf, nan and 1e400 are refused by key); the
     # free-form mappings (loss.params, ...) are checked by `finite_values`.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info) -> Any:
+        # pydantic's lax mode reads true as 1: `--set train.lr=true` trained at lr 1.0, and
+        # `registry.min_improvement=true` promoted nothing ever. A boolean is refused where the key takes numbers
+        # and no boolean (a key that takes both, such as train.channels_last, keeps it).
+        if isinstance(value, bool):
+            accepted = _value_types(cls.model_fields[info.field_name].annotation)
+            if bool not in accepted and accepted & {int, float}:
+                raise PydanticCustomError("number_not_boolean", "a number, not the boolean {value}",
+                                          {"value": str(value).lower()})
+        return value
+
+
+def _value_types(annotation: Any) -> set[type]:
+    """The types a field's annotation admits (a Literal's by its values; Optional and unions unfolded)."""
+    if annotation in (int, float, bool, str):
+        return {annotation}
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return {type(v) for v in typing.get_args(annotation)}
+    if origin in (typing.Union, types.UnionType) or origin is typing.Annotated:
+        return set().union(*(_value_types(a) for a in typing.get_args(annotation)))
+    return set()
 
 
 # What YAML 1.1 leaves a string although it is a number (`1e-3`, `1e400`: no dot), and inf/nan spellings.
@@ -431,6 +458,7 @@ class TuneConfig(Section):
     space: dict[str, Dimension] = Field(default_factory=lambda: {
         "memory.method": TuneConfig.Dimension(type="categorical", choices=["none", "xbn", "axbn", "axbn_auto"]),
         "memory.size": TuneConfig.Dimension(type="float", low=0.05, high=1.0),
+        "memory.add_batch_loss": TuneConfig.Dimension(type="categorical", choices=[False, True]),
         LAMBDA_KEY: TuneConfig.Dimension(type="float", low=1e-4, high=1e4, log=True),
         "memory.kalman.gain_interval": TuneConfig.Dimension(type="categorical", choices=[1, 10, 100]),
     })
@@ -645,6 +673,19 @@ class Params(Section):
     catalogue: CatalogueConfig = CatalogueConfig()
     drift: DriftConfig = DriftConfig()
     notify: NotifyConfig = NotifyConfig()
+
+    @property
+    def loss_composition(self) -> str:
+        """What the training loss is made of, in words (the run's params and the model card name it): the memory
+        loss alone is seed 000's XBN; the official XBM code always adds the minibatch loss (issue 45)."""
+        batch = "Intra-Batch MPN loss" if self.model.mpn.resolved(self.data.dataset).enabled else \
+            f"{self.loss.name} on the minibatch"
+        if self.memory.method == "none":
+            return batch
+        memory = f"{self.loss.name} against the {self.memory.method} memory"
+        if self.model.mpn.resolved(self.data.dataset).enabled or self.memory.add_batch_loss:
+            return f"{memory} + {batch}"
+        return f"{memory} only"
 
     @model_validator(mode="after")
     def _tuned_keys_exist(self):  # here, not in TuneConfig: the keys are checked against this whole schema

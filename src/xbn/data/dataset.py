@@ -67,8 +67,8 @@ class ImageDataset(Dataset):
         path = self.root / self.paths[index]
         try:
             image = open_rgb(path, f"image {path.resolve()}")
-        except OSError as exc:  # open_rgb's UnreadableImage (every decoding failure), or the file system's
-            raise DatasetError(str(exc)) from exc
+        except (OSError, ValueError) as exc:  # open_rgb's UnreadableImage (every decoding failure), the file
+            raise DatasetError(str(exc)) from exc  # system's, or a NUL byte in the path (ValueError)
         box = self.boxes[index]
         return image.crop(box) if box is not None else image
 

@@ -16,6 +16,8 @@ images with Transparency expressed in bytes should be converted to RGBA images".
 from __future__ import annotations
 
 import io
+import os
+import stat
 from collections.abc import Collection
 from pathlib import Path
 from typing import Literal
@@ -67,6 +69,8 @@ def open_image(
     name = _label(source, name)
     if isinstance(source, bytes) and not source:
         raise UnreadableImage(f"cannot read {name}: it is empty")
+    if not isinstance(source, bytes):
+        _check_regular_file(source, name)
     try:
         image = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source,
                            formats=None if formats is None else list(formats))
@@ -110,6 +114,21 @@ def decode(image: Image.Image, name: str = "image", min_side: int | None = None)
         raise
     except Exception as exc:  # noqa: BLE001 -- a decoder failing on the bytes: see module doc
         raise UnreadableImage(f"cannot read {name}: {_reason(exc)}") from exc
+
+
+def _check_regular_file(path: str | Path, name: str) -> None:
+    """A path from a manifest or a request is untrusted: a FIFO or a device would block `Image.open` forever,
+    and a NUL byte raises ValueError where every caller expects an unreadable image."""
+    try:
+        mode = os.stat(path).st_mode
+    except ValueError:
+        raise UnreadableImage(f"cannot read {name!r}: the path holds a NUL byte") from None
+    except FileNotFoundError:
+        raise UnreadableImage(f"cannot read {name}: no such file") from None
+    except OSError as exc:
+        raise UnreadableImage(f"cannot read {name}: {exc.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise UnreadableImage(f"cannot read {name}: not a regular file (a folder, a FIFO or a device)")
 
 
 def open_rgb(

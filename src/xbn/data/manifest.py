@@ -39,6 +39,8 @@ def safe_relative_path(text: str, source: str | Path, line_no: int | None) -> st
     where = _where(source, line_no)
     if not raw:
         raise DatasetError(f"{where}: empty image path")
+    if any(ord(c) < 32 for c in raw):  # a NUL byte crashed the job (ValueError); a newline breaks every log line
+        raise DatasetError(f"{where}: image path {raw!r} holds a control character")
     win = PureWindowsPath(raw)
     if PurePosixPath(raw).is_absolute() or win.drive or win.root:
         raise DatasetError(

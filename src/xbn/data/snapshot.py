@@ -167,6 +167,7 @@ def restore(record: Mapping[str, Any], destination: str | Path) -> int:
     exists with other contents (nothing is overwritten); an interrupted restore leaves no partial folder.
     Deletes only the folders it created itself, whatever the record says."""
     from dvc.api import DVCFileSystem
+    from dvc_data.index import DataIndexError
 
     out = checked_output(record)
     destination = Path(destination)
@@ -185,8 +186,13 @@ def restore(record: Mapping[str, Any], destination: str | Path) -> int:
             staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.restoring-", dir=destination.parent))
             try:
                 fs = DVCFileSystem(repo=repo)
-                fs.get(str((holder / out["path"]).relative_to(repo.root_dir)), str(staging / "data"),
-                       recursive=True)
+                try:
+                    fs.get(str((holder / out["path"]).relative_to(repo.root_dir)), str(staging / "data"),
+                           recursive=True)
+                except DataIndexError as exc:  # DataIndexDirError: the remote lacks the folder's listing
+                    raise DatasetError(f"snapshot {out['md5']} is neither in the DVC remote nor in the cache of "
+                                       f"{repo.root_dir} ({type(exc).__name__}): was it pushed to this "
+                                       "project's remote?") from None
                 count = sum(len(files) for *_, files in os.walk(staging / "data"))
                 try:
                     if destination.exists():

@@ -52,6 +52,8 @@ def embed(model: torch.nn.Module, loader: DataLoader, device: torch.device, mode
         chunks.append(out.cpu())
         labels.append(targets)
     model.train(was_training)
+    if not chunks:  # every image unreadable (skipped): nothing to concatenate; the caller knows the width
+        return np.empty((0, 0), dtype=np.float32), np.empty(0, dtype=np.int64)
     return torch.cat(chunks).numpy(), torch.cat(labels).numpy()
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from xbn.config import ConfigError
 from xbn.data import read_manifest, safe_relative_path
 from xbn.data.errors import DatasetError
 
@@ -83,7 +84,12 @@ def read_path_table(path: str | Path, storage_options: dict | None = None) -> pd
         raise DatasetError(f"cannot read parquet file {path}: {exc}") from None
     if "path" not in table.columns:
         raise DatasetError(f"{path}: no 'path' column (columns: {list(table.columns)})")
-    paths = [safe_relative_path(str(p), path, i + 1) for i, p in enumerate(table["path"])]
+    # Strings only: str() turned an int into "1", bytes into "b'...'" and a null into "nan", all silently.
+    bad = next(((i, p) for i, p in enumerate(table["path"]) if not isinstance(p, str)), None)
+    if bad is not None:
+        raise DatasetError(f"{path}: row {bad[0] + 1}: 'path' must be a string, got {type(bad[1]).__name__} "
+                           f"{bad[1]!r}")
+    paths = [safe_relative_path(p, path, i + 1) for i, p in enumerate(table["path"])]
     labels = table["label"] if "label" in table.columns else [None] * len(paths)
     return pd.DataFrame({"path": paths,
                          "label": pd.Series([None if pd.isna(v) else str(v) for v in labels], dtype=object)})
@@ -92,7 +98,10 @@ def read_path_table(path: str | Path, storage_options: dict | None = None) -> pd
 def _remote_source(source: str, root: str | Path | None) -> tuple[pd.DataFrame, str]:
     import fsspec
 
-    fs, where = fsspec.core.url_to_fs(source)
+    try:
+        fs, where = fsspec.core.url_to_fs(source)
+    except ImportError as exc:  # fsspec's "Install s3fs to access S3": a missing extra, not a crash
+        raise ConfigError(f"catalogue source {source}: {exc}") from None
     if fs.isdir(where):
         prefix = where.rstrip("/") + "/"
         files = sorted(p[len(prefix):] for p in fs.find(where) if Path(p).suffix.lower() in IMAGE_SUFFIXES)

@@ -43,6 +43,7 @@ import numpy as np
 import pandas as pd
 
 from xbn.config import ConfigError, Params
+from xbn.data.errors import DatasetError
 from xbn.serving.sources import is_remote, read_source, rows_digest
 from xbn.utils.allocator import fix_malloc_thresholds
 from xbn.utils.errors import IntegrityError, RegistryError
@@ -208,6 +209,9 @@ def publish(params: Params, catalogue: CataloguePlan) -> dict[str, Any]:
     final = output / "indexes" / f"{catalogue.fingerprint[:16]}-{catalogue.model_sha256[:16]}"
     if not (final / META_FILE).exists():  # renamed in whole: a folder there is complete
         counts = [pq.ParquetFile(s).metadata.num_rows for s in shards]
+        if not sum(counts):  # an index of nothing cannot serve; faiss would fail further down with less to say
+            raise DatasetError(f"catalogue.source {cfg.source}: none of its {catalogue.rows} image(s) could be "
+                               "read (each is named in the workers' log): no index built")
         dim = int((pq.read_schema(shards[0]).metadata or {}).get(b"xbn.embedding_dim", b"0"))
         work = final.with_name(f".{final.name}.{secrets.token_hex(4)}.tmp")
         try:

@@ -17,7 +17,7 @@ from xbn.tracking.services import mask_secrets
 
 # The params a reader of the model card wants first; the full set is in the run.
 KEY_PARAMS = ("data.dataset", "data.image_size", "model.backbone", "model.pretrained", "model.embedding_dim",
-              "memory.method", "memory.size", "loss.name", "loss.memvir.enabled", "train.epochs",
+              "memory.method", "memory.size", "memory.add_batch_loss", "loss.name", "loss.memvir.enabled", "train.epochs",
               "train.warmup_epochs", "train.lr", "train.batch_size", "train.samples_per_class", "train.seed")
 GATE_INTERVAL_TAG = "gate_interval"  # the comparison in short: `+0.0120 [-0.0040, +0.0290] vs v2`
 # A version's tags are what a reviewer scans across versions in the MLflow UI's versions table, in the order
@@ -128,6 +128,7 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
               f"`{trained.data.manifest}` md5 "
               f"`{version.tags.get('data_hash')}`{same}.", "", *data_lines(version),
               "", "## Key params", *(f"- `{k}`: {flat[k]}" for k in KEY_PARAMS if k in flat),
+              f"- loss: {trained.loss_composition}",
               f"- params hash: `{version.tags.get('params_hash')}`",
               f"- git commit: `{summary['tags'].get('git_commit', 'unknown')}`",
               "", "## Links", f"- run: `runs:/{run.run_id}` (experiment {summary['experiment_id']})",

@@ -110,6 +110,12 @@ class EmbedderModel(mlflow.pyfunc.PythonModel):
         """The image signature's predict: one output row per input row, `embedding` or `error`."""
         import torch
 
+        if IMAGE not in frame and PATH not in frame:  # answered 200 with no rows: a client would think it was heard
+            from mlflow.exceptions import INVALID_PARAMETER_VALUE, MlflowException
+
+            raise MlflowException(f"the input has neither an '{IMAGE}' nor a '{PATH}' column (columns: "
+                                  f"{list(frame.columns)[:20]}): send the image's bytes or its path",
+                                  error_code=INVALID_PARAMETER_VALUE)
         rows = len(frame)
         images = frame[IMAGE].tolist() if IMAGE in frame else [None] * rows
         paths = frame[PATH].tolist() if PATH in frame else [None] * rows

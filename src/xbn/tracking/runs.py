@@ -120,7 +120,7 @@ def pipeline_run(
         run = PipelineRun(info.run_id, info.experiment_id, uri, info.artifact_uri, resumed=run_id is not None)
         if _run_id_in_file() != run.run_id:  # rewritten only on change: the file is a DVC output
             write_text(RUN_ID_FILE, run.run_id + "\n")
-        _log_params(client, run.run_id, flatten(params))
+        _log_params(client, run.run_id, {**flatten(params), "loss_composition": params.loss_composition})
         base = {"git_commit": git_commit(), "data_hash": data_hash(params),
                 "params_hash": params_hash(params)}
         client.log_batch(run.run_id, tags=as_tags({**base, **(tags or {})}))
