@@ -48,6 +48,7 @@ from xbn.data import DatasetError  # noqa: E402
 from xbn.stages.names import load_checked  # noqa: E402
 from xbn.utils.allocator import fix_malloc_thresholds  # noqa: E402
 from xbn.utils.errors import NonFiniteLossError, ServiceUnavailableError  # noqa: E402
+from xbn.utils.faults import fault_point  # noqa: E402
 
 DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00
 
@@ -178,6 +179,16 @@ def tune_study(params: Params) -> dict:
 
 def _notify_failure(flow, run, state) -> None:
     """The flow's on_failure hook: runs once the flow has failed, after every task's retries."""
+    _notify_end(run, state, "FAILED", "failed after its retries")
+
+
+def _notify_crash(flow, run, state) -> None:
+    """The flow's on_crashed hook: the process was killed, or Prefect lost it (a server restart that dropped its
+    concurrency lease). A crashed run is not retried, so a person must hear of it as of a failure."""
+    _notify_end(run, state, "CRASHED", "crashed (killed, or lost by the Prefect server); it is not retried")
+
+
+def _notify_end(run, state, word: str, what: str) -> None:
     from xbn.stages.notify import notify
 
     parameters = run.parameters or {}
@@ -188,8 +199,8 @@ def _notify_failure(flow, run, state) -> None:
             params = load_params(parameters.get("params_path", "params.yaml"))
         except Exception:  # noqa: BLE001
             params = Params()
-    notify(params, f"xbn retrain FAILED: {run.name}",
-           f"Flow run {run.name} failed after its retries: {state.message or state.name}\n{_link(run.id)}")
+    notify(params, f"xbn retrain {word}: {run.name}",
+           f"Flow run {run.name} {what}: {state.message or state.name}\n{_link(run.id)}")
 
 
 def _link(run_id) -> str:
@@ -199,11 +210,12 @@ def _link(run_id) -> str:
     return f"{ui.rstrip('/')}/runs/flow-run/{run_id}" if ui else f"flow run id {run_id}"
 
 
-@flow(name="xbn-retrain", log_prints=True, on_failure=[_notify_failure])
+@flow(name="xbn-retrain", log_prints=True, on_failure=[_notify_failure], on_crashed=[_notify_crash])
 def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None,
             tune: bool | None = None, force: bool = False) -> dict:
     """`tune`: run the study first (None: as `tune.enabled` says); `force`: retrain even if nothing changed."""
     fix_malloc_thresholds()  # as `xbn` does: a Prefect worker runs this flow in a process of its own
+    fault_point("retrain.start")
     overrides = list(overrides or [])
     params = load_checked(params_path, overrides)
     if params.tracking.enabled:
@@ -271,6 +283,7 @@ def _train_to_registry(params: Params, tuned: dict, decision: dict, loaded_from:
 
     logger = get_run_logger()
     train_model(params)
+    fault_point("retrain.after_train")
     refine_embeddings(params)
     metrics = evaluate_model(params)
     registered = register_model(params, {"request_hash": decision["request_hash"]} if decision["request_hash"]

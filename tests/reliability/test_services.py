@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from xbn.cli import EXIT_SERVICE, main
-from xbn.tracking.services import Retrying, check_reachable, retry
+from xbn.tracking.services import Retrying, check_reachable, retry, wait_reachable
 from xbn.utils.errors import ServiceUnavailableError
 
 
@@ -149,3 +149,29 @@ def test_cli_names_a_server_with_credentials_without_its_password(params_file, c
     assert main(["train", "--params", str(params), "-q"]) == EXIT_SERVICE
     out = capsys.readouterr()
     assert PASSWORD not in out.out + out.err and "user:***@127.0.0.1" in out.err
+
+
+def test_a_store_that_blinks_is_waited_for_and_one_that_stays_down_is_named_after_the_wait(caplog):
+    # Issue 40: MLflow down for a moment mid-register failed the whole week (ServiceUnavailableError is not
+    # retried). A real server that comes up after the first attempt, bound on the port the check was refused on.
+    port = _free_port()
+    server = None
+
+    def start_later():
+        nonlocal server
+        time.sleep(1.5)
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _Health)
+        server.serve_forever()
+
+    threading.Thread(target=start_later, daemon=True).start()
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        wait_reachable(f"http://127.0.0.1:{port}", wait_s=30)
+    assert time.monotonic() - start < 20 and "trying again in" in caplog.text
+    server.shutdown()
+    server.server_close()
+
+    start = time.monotonic()
+    with pytest.raises(ServiceUnavailableError, match=r"still down after waiting 2 s: tracking.outage_s"):
+        wait_reachable(f"http://127.0.0.1:{_free_port()}", wait_s=2)
+    assert 1.9 < time.monotonic() - start < 10

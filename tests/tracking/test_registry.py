@@ -180,6 +180,13 @@ def test_promote_and_rollback_round_trip(params):
         rollback(params, "once more")
     with pytest.raises(ValueError, match="reason"):
         promote(params, 2, " ")
+    # Issue 40: MLflow refused a 100,001-character reason after the alias had moved; now nothing is written.
+    before = versions(params)
+    with pytest.raises(RegistryError, match="over the limit of 5,000"):
+        promote(params, 2, "x" * 100_001)
+    with pytest.raises(RegistryError, match="--user"):
+        rollback(params, "fine", user="u" * 300)
+    assert alias(params, "champion") == 1 and versions(params)[2].tags == before[2].tags
     with pytest.raises(ValueError, match="no version 9"):
         promote(params, 9, "missing")
 

@@ -401,6 +401,9 @@ class TrackingConfig(Section):
     # MLFLOW_TRACKING_URI in the environment takes precedence (a server in production).
     uri: str = "sqlite:///mlflow.db"
     experiment: str = "xbn"
+    # How long `register` waits, with backoff, for a store that went down after training (a restart, a
+    # failover) before it fails naming it; the checks before any work (train, the flow's start) never wait.
+    outage_s: float = Field(120.0, ge=0.0, le=3600.0)
 
 
 class RegistryConfig(Section):

@@ -48,10 +48,11 @@ from xbn.tracking import (
     tracking_uri,
 )
 from xbn.tracking.history import append_history, read_history
-from xbn.tracking.services import check_reachable
+from xbn.tracking.services import wait_reachable
 from xbn.tracking.registry import PARENT_TAG, SERVED_TAG, SHA_TAG, log_refiner
 from xbn.tracking.runs import DATA_MD5_TAG
 from xbn.utils.errors import RegistryError
+from xbn.utils.faults import fault_point
 from xbn.utils.integrity import verify_sidecar
 from xbn.utils.io import write_json
 
@@ -82,7 +83,7 @@ def register(params: Params, tags: dict[str, str] | None = None) -> dict:
                          f"(it has {', '.join(sorted(metrics))})")
     sha = verify_sidecar(checkpoint)  # the bytes training wrote, before they are registered
     trained, trained_hash = trained_params(params, checkpoint)  # the training run's own record, not this call's
-    registry = _registry(params)
+    registry = _registry(params, wait_s=params.tracking.outage_s)
     if existing := registry.find_by_tag(SHA_TAG, sha):
         return _write_report(params, registry, existing, compared=None, already_registered=True)
 
@@ -114,9 +115,11 @@ def register(params: Params, tags: dict[str, str] | None = None) -> dict:
                     **gate_tags(comparison), "data_hash": data, **lineage, "params_hash": trained_hash,
                     **provenance_tags(trained), SHA_TAG: sha, SERVED_TAG: served, **stamp}
             version = registry.create(model_uri, tags).version
+            fault_point("register.after_create")
             registry.set_alias(CHALLENGER, version)
             if decision.promote:
                 make_champion(registry, version, champion, by=GATE, action="gate", reason=decision.reason)
+                fault_point("register.after_champion")
         registry.set_description(version, model_card(params, registry.get(version), champion, decision, run,
                                                      trained=trained))
     return _write_report(params, registry, registry.get(version), compared=champion)
@@ -124,7 +127,7 @@ def register(params: Params, tags: dict[str, str] | None = None) -> dict:
 
 def promote(params: Params, version: int | str, reason: str, user: str | None = None) -> dict:
     """Move `champion` to `version` by hand (the promotion gate does not apply); idempotent."""
-    _require_reason(reason)
+    _require_reason(reason, user)
     registry = _registry(params)
     with registry.lock():  # the champion read here is still the champion when the alias moves
         target = _version(registry, version)
@@ -142,7 +145,7 @@ def rollback(params: Params, reason: str, user: str | None = None) -> dict:
     """Restore the champion before the current one's promotion, as the champion's history records it (entries
     already rolled back are skipped, so repeated rollbacks walk back to the first champion). Nothing to restore:
     `RegistryError`."""
-    _require_reason(reason)
+    _require_reason(reason, user)
     registry = _registry(params)
     with registry.lock():
         champion = registry.by_alias(CHAMPION)
@@ -283,15 +286,28 @@ def _user(user: str | None) -> str:
         return "unknown"
 
 
-def _require_reason(reason: str) -> None:
+# A reason lands in a version tag, the champion history and the report. MLflow refuses a registry tag over
+# 100,000 characters, and it did so after the alias had moved (a promotion that failed after it succeeded):
+# every value a decision writes is checked before the first write.
+MAX_REASON = 5000
+MAX_USER = 250
+
+
+def _require_reason(reason: str, user: str | None = None) -> None:
     if not reason or not reason.strip():
         raise RegistryError("a reason is required: it is recorded with the decision")
+    if len(reason) > MAX_REASON:
+        raise RegistryError(f"the reason is {len(reason):,} characters, over the limit of {MAX_REASON:,}: say it "
+                            "in short, and link to the long version")
+    if user is not None and (len(user) > MAX_USER or not user.strip()):
+        raise RegistryError(f"--user must be a name of 1 to {MAX_USER} characters")
 
 
-def _registry(params: Params) -> Registry:
+def _registry(params: Params, wait_s: float = 0.0) -> Registry:
     """The registry, once the tracking store has answered: a store that is down fails in seconds (exit 4),
-    not after minutes of the MLflow client's retries."""
-    check_reachable(tracking_uri(params))
+    not after minutes of the MLflow client's retries; `wait_s`: waited for that long first (after a training,
+    a store that blinks is worth waiting for: `tracking.outage_s`)."""
+    wait_reachable(tracking_uri(params), wait_s)
     return Registry(params)
 
 

@@ -78,6 +78,27 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
         ) from None
 
 
+def wait_reachable(uri: str, wait_s: float, timeout: float = 5.0) -> None:
+    """`check_reachable`, tried again with backoff (1, 2, 4... 15 s) for up to `wait_s` seconds
+    (`tracking.outage_s`): a store that blinks in the middle of a run (a server restarted, a database failing
+    over) is waited for, not turned into a failed week. Past it, the error names the store and the wait."""
+    deadline, delay = time.monotonic() + wait_s, 1.0
+    while True:
+        try:
+            return check_reachable(uri, timeout)
+        except ServiceUnavailableError as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if wait_s <= 0:
+                    raise
+                raise ServiceUnavailableError(f"{exc} (still down after waiting {wait_s:g} s: "
+                                              "tracking.outage_s)") from None
+            pause = min(delay, left)
+            log.warning("%s; trying again in %.0f s (%.0f s left of tracking.outage_s)", exc, pause, left)
+            time.sleep(pause)
+            delay = min(2 * delay, 15.0)
+
+
 def health_request(uri: str) -> urllib.request.Request:
     """GET <server>/health with any `user:password@` of the URI taken out of the address (urllib would read it
     as part of the host name) and sent as HTTP basic auth instead, as MLflow's client does; without one,
