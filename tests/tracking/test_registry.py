@@ -21,6 +21,7 @@ from .helpers import METRICS, VAL_QUERIES, run_pipeline, write_eval, write_manif
 # is a line of each version's row. Everything else belongs in the model card or on the logged model
 # (`Registry.record`): a tag added here must be worth a line in every row.
 FIRST_MODEL_TAGS = {"decision", "decided_by", "data_hash", "data_md5", "params_hash", "dataset", "memory_method", "batch",
+                    "registration",
                     "model_sha256", "served_embedding", "decided_at", "reason"}
 COMPARED_TAGS = FIRST_MODEL_TAGS | {"val_recall_at_1", "gate_interval"}  # + previous_champion: it replaced
 

@@ -24,8 +24,8 @@ GATE_INTERVAL_TAG = "gate_interval"  # the comparison in short: `+0.0120 [-0.004
 # it lists them: `decision`, `decided_by`, the gate's result when compared (`val_recall_at_1`,
 # `gate_interval`), `data_hash`, `data_md5` (DVC), `parent_version` (a fine-tuning), `params_hash`, the
 # training's `dataset`, `memory_method` and `batch`,
-# `model_sha256`, `served_embedding`, then `decided_at` and
-# `reason`; `previous_champion` is added when the version replaces a champion. Everything else is in the model
+# `model_sha256`, `served_embedding`, `registration` (created -> done: an interrupted one is completed by the next
+# register), then `decided_at` and `reason`; `previous_champion` is added when the version replaces a champion. Everything else is in the model
 # card and on the logged model (`Registry.record`). The set is pinned by tests/tracking/test_registry.py.
 
 

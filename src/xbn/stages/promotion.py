@@ -35,7 +35,8 @@ import numpy as np
 from xbn.config import Params, RegistryConfig
 from xbn.evaluation.bootstrap import paired_bootstrap
 from xbn.tracking import ModelVersionInfo, Registry
-from xbn.tracking.history import ChampionChange, append_history
+from xbn.tracking.history import ChampionChange, append_history, read_history
+from xbn.utils.faults import fault_point
 from xbn.utils.errors import IntegrityError, RegistryError
 from xbn.tracking.registry import SHA_TAG
 
@@ -269,7 +270,12 @@ def make_champion(registry: Registry, version: int, champion: ModelVersionInfo |
     the champion it replaced (tag `previous_champion`, for a reviewer; never read to decide). A challenger that
     becomes champion loses the `challenger` alias."""
     before = champion.version if champion is not None else None
-    append_history(registry, by=by, action=action, from_version=before, to_version=version, reason=reason)
+    history = read_history(registry)
+    last = history[-1] if history else None
+    # The same move already logged and the alias not moved: a registration stopped between the two. Not twice.
+    if last is None or (last.action, last.from_version, last.to_version) != (action, before, version):
+        append_history(registry, by=by, action=action, from_version=before, to_version=version, reason=reason)
+        fault_point("promotion.after_history")
     if before is not None and before != version:
         registry.set_tags(version, {"previous_champion": before})
     registry.set_alias(CHAMPION, version)

@@ -36,9 +36,19 @@ from typing import Any
 from xbn.config import Params
 from xbn.data.snapshot import current_record, diff_files, diff_line
 from xbn.stages.model_card import gate_tags, history_lines, model_card, provenance_tags, review_table
-from xbn.stages.promotion import CHALLENGER, CHAMPION, GATE, Gate, make_champion, rollback_target
+from xbn.stages.promotion import (
+    CHALLENGER,
+    CHAMPION,
+    GATE,
+    Comparison,
+    Decision,
+    Gate,
+    make_champion,
+    rollback_target,
+)
 from xbn.tracking import (
     ModelVersionInfo,
+    PipelineRun,
     Registry,
     data_hash,
     log_model,
@@ -66,7 +76,8 @@ def register(params: Params, tags: dict[str, str] | None = None) -> dict:
     (the retrain flow's `request_hash`, which its next run compares with).
 
     Idempotent: a model whose sha256 is already registered is reported (with its recorded decision) and
-    nothing is created or changed.
+    nothing is created or changed, unless its registration was interrupted: then it is completed (see
+    `REGISTRATION_TAG`).
     """
     cfg = params.registry
     checkpoint = Path(params.train.checkpoint_dir) / "model.pt"
@@ -85,7 +96,7 @@ def register(params: Params, tags: dict[str, str] | None = None) -> dict:
     trained, trained_hash = trained_params(params, checkpoint)  # the training run's own record, not this call's
     registry = _registry(params, wait_s=params.tracking.outage_s)
     if existing := registry.find_by_tag(SHA_TAG, sha):
-        return _write_report(params, registry, existing, compared=None, already_registered=True)
+        return _registered(params, registry, existing, trained)
 
     data = data_hash(params) or "unknown"
     lineage = {DATA_MD5_TAG: data_md5(params), **parent_tags(checkpoint), **(tags or {})}
@@ -101,7 +112,7 @@ def register(params: Params, tags: dict[str, str] | None = None) -> dict:
         # gate then compares with the new champion (else its comparison above is reused).
         with registry.lock():
             if existing := registry.find_by_tag(SHA_TAG, sha):
-                return _write_report(params, registry, existing, compared=None, already_registered=True)
+                return _registered(params, registry, existing, trained, locked=True)
             champion = registry.by_alias(CHAMPION)
             decision = gate.decide(champion, registry)
             comparison = decision.comparison
@@ -113,16 +124,86 @@ def register(params: Params, tags: dict[str, str] | None = None) -> dict:
             stamp = _stamp(decision.decision, decision.reason, GATE)
             tags = {"decision": stamp.pop("decision"), "decided_by": stamp.pop("decided_by"),
                     **gate_tags(comparison), "data_hash": data, **lineage, "params_hash": trained_hash,
-                    **provenance_tags(trained), SHA_TAG: sha, SERVED_TAG: served, **stamp}
-            version = registry.create(model_uri, tags).version
+                    **provenance_tags(trained), SHA_TAG: sha, SERVED_TAG: served, **stamp,
+                    REGISTRATION_TAG: "created"}
+            info = _first_of(registry, registry.create(model_uri, tags), sha)
             fault_point("register.after_create")
-            registry.set_alias(CHALLENGER, version)
-            if decision.promote:
-                make_champion(registry, version, champion, by=GATE, action="gate", reason=decision.reason)
-                fault_point("register.after_champion")
-        registry.set_description(version, model_card(params, registry.get(version), champion, decision, run,
-                                                     trained=trained))
-    return _write_report(params, registry, registry.get(version), compared=champion)
+            info = _complete(params, registry, info, trained, run, decision, champion)
+    return _write_report(params, registry, info, compared=champion)
+
+
+# A registration is a sequence of writes (create, aliases, history, card); a process killed between two of them
+# left a version tagged "promoted" that never served, which the next run then skipped as already registered.
+# The version is created with `registration: created` (with its decision tags, in the same request) and tagged
+# `done` only after the rest; a register that finds its model created but not done completes it, step by step,
+# each step idempotent. Versions from before the tag count as done.
+REGISTRATION_TAG = "registration"
+
+
+def _registered(params: Params, registry: Registry, existing: ModelVersionInfo, trained: Params,
+                locked: bool = False) -> dict:
+    """The report on a model already registered; an interrupted registration is completed first, never
+    skipped."""
+    if existing.tags.get(REGISTRATION_TAG, "done") == "done":
+        return _write_report(params, registry, existing, compared=None, already_registered=True)
+    log.warning("%s v%s: its registration was interrupted (%s=%s): completing it", registry.name,
+                existing.version, REGISTRATION_TAG, existing.tags[REGISTRATION_TAG])
+    if locked:
+        info = _complete(params, registry, registry.get(existing.version), trained)
+    else:
+        with registry.lock():
+            info = _complete(params, registry, registry.get(existing.version), trained)
+    return {**_write_report(params, registry, info, compared=None, already_registered=True), "completed": True}
+
+
+def _first_of(registry: Registry, created: ModelVersionInfo, sha: str) -> ModelVersionInfo:
+    """The model's first version: MLflow's client retries a POST whose response was lost, so one create can
+    register the same file twice. The later copy is marked a duplicate (deleting takes an admin) and never
+    served; the first is the registration."""
+    first = registry.find_by_tag(SHA_TAG, sha)
+    if first is None or first.version == created.version:
+        return created
+    log.warning("%s: v%s and v%s hold the same model (a create request was retried): v%s is marked a duplicate",
+                registry.name, first.version, created.version, created.version)
+    registry.set_tags(created.version, {**_stamp("duplicate", f"the same model as v{first.version} (a retried "
+                                                 "create request registered it twice)", GATE),
+                                        REGISTRATION_TAG: "done"})
+    return first
+
+
+def _complete(params: Params, registry: Registry, info: ModelVersionInfo, trained: Params, run=None,
+              decision: Decision | None = None, champion: ModelVersionInfo | None = None) -> ModelVersionInfo:
+    """Take `info`'s registration from wherever it stopped to `done` (under the registry lock): `challenger`,
+    then `champion` when the gate promoted it, then the model card. `decision` and `champion` (the champion it
+    was judged against): this register's own, else read back from the version."""
+    if decision is None:
+        comparison = Comparison.from_dict(info.gate) if info.gate else None
+        decision = Decision(info.tags.get("decision") == "promoted", info.tags.get("decision", "held"),
+                            info.tags.get("reason", ""), comparison)
+        judged = comparison.champion_version if comparison else None
+        champion = registry.get(judged) if judged is not None else None
+    current = registry.by_alias(CHAMPION)
+    if current is None or current.version != info.version:
+        registry.set_alias(CHALLENGER, info.version)
+        if decision.promote and (current and current.version) == (champion and champion.version):
+            make_champion(registry, info.version, current, by=GATE, action="gate", reason=decision.reason)
+            fault_point("register.after_champion")
+        elif decision.promote:  # resumed after someone else moved the champion: the gate's verdict is stale
+            decision = Decision(False, "held", (
+                f"its registration was interrupted and the champion is now v{current.version if current else '-'}"
+                f", not v{champion.version if champion else '-'} as when the gate promoted it: review it and "
+                "promote it by hand (`xbn registry promote`)"), decision.comparison)
+            registry.set_tags(info.version, _stamp("held", decision.reason, GATE))
+    elif (challenger := registry.by_alias(CHALLENGER)) is not None and challenger.version == info.version:
+        registry.remove_alias(CHALLENGER)  # stopped between the champion's move and this
+    if run is None:
+        recorded = registry.client.get_run(info.run_id).info
+        run = PipelineRun(info.run_id, recorded.experiment_id, tracking_uri(params), recorded.artifact_uri,
+                          resumed=True)
+    registry.set_description(info.version, model_card(params, registry.get(info.version), champion, decision,
+                                                      run, trained=trained))
+    registry.set_tags(info.version, {REGISTRATION_TAG: "done"})
+    return registry.get(info.version)
 
 
 def promote(params: Params, version: int | str, reason: str, user: str | None = None) -> dict:

@@ -126,10 +126,11 @@ class Registry:
             raise
 
     def find_by_tag(self, key: str, value: str) -> ModelVersionInfo | None:
-        """The newest version whose tag `key` equals `value` (tag values here are hex digests: no quoting)."""
+        """The first version whose tag `key` equals `value` (tag values here are hex digests: no quoting). The
+        first: a later one with the same model sha256 is a duplicate of a retried create request."""
         found = self.client.search_model_versions(
             f"name = '{self.name}' and tags.{key} = '{value}'", max_results=1,
-            order_by=["version_number DESC"],
+            order_by=["version_number ASC"],
         )
         # Search results leave the aliases out: read the version itself.
         return self.get(found[0].version) if found else None
