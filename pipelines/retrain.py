@@ -97,6 +97,13 @@ def snapshot_data(params: Params) -> dict:
 
 
 @task(**TASK_OPTIONS)
+def complete_registrations(params: Params) -> list[dict]:
+    from xbn.stages.register import complete_interrupted
+
+    return complete_interrupted(params)  # what a killed run left half registered, finished before the plan
+
+
+@task(**TASK_OPTIONS)
 def plan_retraining(params: Params, data: dict, force: bool) -> dict:
     from xbn.data.snapshot import DataSnapshot
     from xbn.stages.schedule import plan
@@ -230,6 +237,13 @@ def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None
     prepare_data(params)
     data = snapshot_data(params)
     if params.tracking.enabled:
+        for done in complete_registrations(params):
+            line = (f"completed the interrupted registration of {done['model_name']} v{done['version']} "
+                    f"({done['decision']}: {done['reason']})")
+            logger.warning("registry: %s", line)
+            from xbn.stages.notify import notify
+
+            notify(params, f"xbn: v{done['version']} registration completed", f"Flow run {flow_run.name}: {line}")
         decision = plan_retraining(params, data, force)
     else:  # no registry, no champion to compare with or start from
         decision = {"retrain": True, "init": "pretrained", "reason": "tracking disabled: training from "

@@ -120,3 +120,19 @@ def test_a_second_version_of_the_same_model_is_marked_a_duplicate_and_the_first_
     kept = _first_of(registry, again, first.tags[SHA_TAG])
     assert kept.version == 1 and registry.find_by_tag(SHA_TAG, first.tags[SHA_TAG]).version == 1
     assert registry.get(again.version).tags["decision"] == "duplicate" and registry.by_alias("champion").version == 1
+
+
+def test_the_next_run_completes_an_interrupted_registration_whatever_it_then_trains(params, tmp_path):
+    # The retrain flow's first step after its checks: a new training has another sha, so its own register
+    # would never meet the interrupted version.
+    from xbn.stages.register import complete_interrupted
+
+    run_pipeline(params, seed=0, blind=True)
+    next_model(params, seed=1)
+    killed_register(params, tmp_path, "register.after_create")
+    write_model(params, seed=7)  # this week's training: another model
+    reports = complete_interrupted(params)
+    assert [(r["version"], r["decision"], r.get("completed")) for r in reports] == [(2, "promoted", True)]
+    after = state(params)
+    assert after["champion"] == 2 and after["versions"][2]["registration"] == "done" and after["descriptions"][2]
+    assert complete_interrupted(params) == []

@@ -25,6 +25,7 @@ All MLflow access goes through `xbn.tracking`.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import logging
@@ -143,17 +144,41 @@ REGISTRATION_TAG = "registration"
 def _registered(params: Params, registry: Registry, existing: ModelVersionInfo, trained: Params,
                 locked: bool = False) -> dict:
     """The report on a model already registered; an interrupted registration is completed first, never
-    skipped."""
-    if existing.tags.get(REGISTRATION_TAG, "done") == "done":
-        return _write_report(params, registry, existing, compared=None, already_registered=True)
-    log.warning("%s v%s: its registration was interrupted (%s=%s): completing it", registry.name,
-                existing.version, REGISTRATION_TAG, existing.tags[REGISTRATION_TAG])
-    if locked:
-        info = _complete(params, registry, registry.get(existing.version), trained)
-    else:
-        with registry.lock():
-            info = _complete(params, registry, registry.get(existing.version), trained)
-    return {**_write_report(params, registry, info, compared=None, already_registered=True), "completed": True}
+    skipped (`locked`: the caller holds the registry lock)."""
+    completed = False
+    if existing.tags.get(REGISTRATION_TAG, "done") != "done":
+        with contextlib.nullcontext() if locked else registry.lock():
+            existing = registry.get(existing.version)  # another run may have completed it meanwhile
+            if existing.tags.get(REGISTRATION_TAG, "done") != "done":
+                log.warning("%s v%s: its registration was interrupted (%s=%s): completing it", registry.name,
+                            existing.version, REGISTRATION_TAG, existing.tags[REGISTRATION_TAG])
+                existing, completed = _complete(params, registry, existing, trained), True
+    report = _write_report(params, registry, existing, compared=None, already_registered=True)
+    return {**report, "completed": True} if completed else report
+
+
+def complete_interrupted(params: Params) -> list[dict]:
+    """Every registration a killed run left unfinished (`registration: created`), completed oldest first. The
+    retrain flow runs this before its plan: next week's run finishes last week's registration, whatever it then
+    trains (a new training has another sha256, so its own register would never find the old one)."""
+    import tempfile
+
+    from xbn.utils.errors import IntegrityError
+
+    registry = _registry(params, wait_s=params.tracking.outage_s)
+    found = registry.client.search_model_versions(
+        f"name = '{registry.name}' and tags.{REGISTRATION_TAG} = 'created'", order_by=["version_number ASC"])
+    reports = []
+    for unfinished in found:
+        info = registry.get(unfinished.version)
+        try:  # the card describes the params the model was trained with, as recorded in its checkpoint
+            with tempfile.TemporaryDirectory(prefix="xbn-complete-") as tmp:
+                trained, _ = trained_params(params, registry.checkpoint(info, tmp).path)
+        except IntegrityError as exc:
+            log.warning("%s v%s: %s; its card shows this run's params", registry.name, info.version, exc)
+            trained = params
+        reports.append(_registered(params, registry, info, trained))
+    return reports
 
 
 def _first_of(registry: Registry, created: ModelVersionInfo, sha: str) -> ModelVersionInfo:
