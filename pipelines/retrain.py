@@ -104,6 +104,20 @@ def complete_registrations(params: Params) -> list[dict]:
 
 
 @task(**TASK_OPTIONS)
+def check_champion_index(params: Params) -> dict | None:
+    from xbn.stages.index import champion_index_problem
+
+    return champion_index_problem(params)
+
+
+@task(**TASK_OPTIONS)
+def index_champion(params: Params, version: int) -> dict:
+    from xbn.stages.index import index_version
+
+    return index_version(params, version)  # from its own registered checkpoint: nothing is retrained
+
+
+@task(**TASK_OPTIONS)
 def plan_retraining(params: Params, data: dict, force: bool) -> dict:
     from xbn.data.snapshot import DataSnapshot
     from xbn.stages.schedule import plan
@@ -237,13 +251,24 @@ def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None
     prepare_data(params)
     data = snapshot_data(params)
     if params.tracking.enabled:
+        # Before "nothing changed": what a killed or failed run left behind is repaired first, without training.
+        from xbn.stages.notify import notify
+
         for done in complete_registrations(params):
             line = (f"completed the interrupted registration of {done['model_name']} v{done['version']} "
                     f"({done['decision']}: {done['reason']})")
             logger.warning("registry: %s", line)
-            from xbn.stages.notify import notify
-
             notify(params, f"xbn: v{done['version']} registration completed", f"Flow run {flow_run.name}: {line}")
+        if broken := check_champion_index(params):
+            if params.catalogue.source and params.catalogue.on_promotion:
+                from pipelines.catalogue import catalogue as catalogue_flow
+
+                catalogue_flow(params_path, overrides, version=broken["version"])
+            else:
+                index_champion(params, broken["version"])
+            line = f"champion v{broken['version']} {broken['problem']}: indexed again from its own checkpoint"
+            logger.warning("registry: %s", line)
+            notify(params, f"xbn: champion v{broken['version']} index repaired", f"Flow run {flow_run.name}: {line}")
         decision = plan_retraining(params, data, force)
     else:  # no registry, no champion to compare with or start from
         decision = {"retrain": True, "init": "pretrained", "reason": "tracking disabled: training from "

@@ -136,3 +136,23 @@ def test_the_next_run_completes_an_interrupted_registration_whatever_it_then_tra
     after = state(params)
     assert after["champion"] == 2 and after["versions"][2]["registration"] == "done" and after["descriptions"][2]
     assert complete_interrupted(params) == []
+
+
+def test_a_champion_without_a_servable_index_is_found_and_indexed_from_its_own_checkpoint(params):
+    # Issue 40 item 1: a run killed (or failed) between the promotion and the index left a champion that a
+    # restarted `xbn serve` answers 503 for, and the next week's plan said "no change". The check reads only
+    # index.json; the repair downloads the champion's checkpoint, not models/model.pt (here another model).
+    from xbn.stages.index import champion_index_problem, index_version
+    from xbn.tracking.registry import INDEX_SHA_TAG
+
+    run_pipeline(params, seed=0)
+    write_model(params, seed=5)  # what is on disk is not the champion
+    assert champion_index_problem(params) == {"version": 1, "problem": "has no index attached"}
+    report = index_version(params, 1)
+    assert report["version"] == 1 and champion_index_problem(params) is None
+    registry = Registry(params)
+    registry.set_tags(1, {INDEX_SHA_TAG: "0" * 64})  # the tag no longer names the index's bytes
+    problem = champion_index_problem(params)
+    assert problem["version"] == 1 and ("lost its index" in problem["problem"] or "sha256" in problem["problem"])
+    index_version(params, 1)
+    assert champion_index_problem(params) is None

@@ -48,17 +48,19 @@ def registered_version(params: Params, sha256: str):
     return version
 
 
-def index(params: Params, append: bool = False, shards: list[str] | None = None) -> dict[str, Any]:
+def index(params: Params, append: bool = False, shards: list[str] | None = None,
+          model: ServedModel | None = None) -> dict[str, Any]:
     """Build (or `append` to) the catalogue index at `index.output`, write `index.metrics`, and attach the
     folder to the model's registry version. `shards`: embedding files of `xbn embed` (one per part of a
-    catalogue too large for one machine) -> an on-disk IVF index instead (`xbn.serving.shards`)."""
+    catalogue too large for one machine) -> an on-disk IVF index instead (`xbn.serving.shards`). `model`:
+    another model than models/model.pt (a registered version's, `index_version`)."""
     if shards:
         from xbn.serving.shards import build_sharded, shards_model
 
         sha = shards_model(shards)
         catalogue = build_sharded(shards, params.index.output, params.index, model_sha256=sha)
     else:
-        model = local_model(params)
+        model = model or local_model(params)
         sha = model.sha256
         catalogue = index_source(model, params.index, manifest=params.data.manifest, root=params.data.root,
                                  append=append, num_workers=params.data.num_workers)
@@ -80,3 +82,31 @@ def index(params: Params, append: bool = False, shards: list[str] | None = None)
     log.info("index: %s, %d items, recall@%d %.4f -> %s", report["type"], report["count"], RECALL_K, recall,
              params.index.output)
     return report
+
+
+def champion_index_problem(params: Params) -> dict[str, Any] | None:
+    """The champion and why it cannot serve its index (none attached: a run killed between the promotion and
+    the index; lost or altered in the artifact store), or None when it can, or there is no champion. A
+    scheduled run checks this before it decides that nothing changed, so such a champion is repaired."""
+    from xbn.stages.promotion import CHAMPION
+    from xbn.tracking import Registry
+
+    registry = Registry(params)
+    champion = registry.by_alias(CHAMPION)
+    problem = registry.index_problem(champion) if champion is not None else None
+    return None if problem is None else {"version": champion.version, "problem": problem}
+
+
+def index_version(params: Params, version: int) -> dict[str, Any]:
+    """Index `index.source` with registry version `version`'s own checkpoint (downloaded and sha256-verified)
+    and attach it to that version: a champion's index rebuilt without retraining."""
+    import tempfile
+
+    from xbn.tracking import Registry
+
+    registry = Registry(params)
+    with tempfile.TemporaryDirectory(prefix="xbn-index-model-") as tmp:
+        registered = registry.checkpoint(registry.get(version), tmp)
+        model = load_served_model(registered.path, registered.image_size or params.data.image_size,
+                                  resolve_device(params.train.device), **params.inference.model_dump())
+        return index(params, model=model)

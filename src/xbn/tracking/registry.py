@@ -227,6 +227,32 @@ class Registry:
         verify_file(path / INDEX_META, expected, what=f"the index of {self.name} v{version.version}")
         return path
 
+    def index_problem(self, version: ModelVersionInfo) -> str | None:
+        """Why `version` could not serve its index (None: it can): none attached, or its index.json missing
+        or not the one the tag names. Reads index.json only (the loader checks the other files against it),
+        so a weekly check of a large catalogue's index downloads kilobytes."""
+        import tempfile
+
+        from mlflow.exceptions import MlflowException
+
+        expected = version.tags.get(INDEX_SHA_TAG)
+        if not expected:
+            return "has no index attached"
+        listed = {f.path for f in self.client.list_logged_model_artifacts(self._logged_model(version),
+                                                                          INDEX_ARTIFACT)}
+        folder = f"{INDEX_ARTIFACT}/{expected}" if f"{INDEX_ARTIFACT}/{expected}" in listed else INDEX_ARTIFACT
+        with tempfile.TemporaryDirectory(prefix="xbn-index-check-") as tmp:
+            try:
+                path = Path(mlflow.artifacts.download_artifacts(
+                    artifact_uri=f"models:/{self.name}/{version.version}/{folder}/{INDEX_META}", dst_path=tmp,
+                    tracking_uri=self.uri))
+                verify_file(path, expected, what=f"the index of {self.name} v{version.version}")
+            except (MlflowException, OSError) as exc:  # absent from the artifact store
+                return f"has lost its index ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+            except IntegrityError as exc:
+                return f"has an index that fails its sha256 ({exc})"
+        return None
+
     def run_artifact(self, run_id: str | None, path: str, dst_dir: str | Path) -> Path | None:
         """Download artifact `path` (a file or folder) of run `run_id` into `dst_dir`; None if it has none."""
         if not run_id:
