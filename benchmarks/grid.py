@@ -84,6 +84,7 @@ DATASETS: dict[str, dict[str, int]] = {
 }
 SCALE = {"warmup_epochs": 1, "epochs": 8, "lr_step_epochs": 3, "val_classes": 0.15}
 SCALE_METHODS = ("none", "xbm", "xbn", "axbn")  # issue 30's grid
+DEFAULT_BATCH = 64  # params.yaml's train.batch_size: the batch the shipped default must not lose to none at
 
 
 def scale_of(dataset: str) -> dict[str, Any]:
