@@ -24,6 +24,15 @@ SECRET = "s3cr3t-pw"
     ("postgresql://xbn@db/optuna", "postgresql://xbn@db/optuna"),  # no password: unchanged
     ("sqlite:///mlflow.db", "sqlite:///mlflow.db"),
     ("journal:tuning/optuna.journal", "journal:tuning/optuna.journal"),
+    # Issue 41: what the mask missed
+    (f"postgresql://u:p@{SECRET}/x@db:5432/mlflow", "postgresql://u:***@db:5432/mlflow"),  # '@' in a password
+    (f"AWS_SECRET_ACCESS_KEY={SECRET} aws_secret_access_key={SECRET}",
+     "AWS_SECRET_ACCESS_KEY=*** aws_secret_access_key=***"),
+    (f"https://api.example.com/x?apikey={SECRET}&api_key={SECRET}&access_token={SECRET}&q=1",
+     "https://api.example.com/x?apikey=***&api_key=***&access_token=***&q=1"),
+    (f"https://b.s3.amazonaws.com/k?X-Amz-Credential={SECRET}&X-Amz-Signature={SECRET}&X-Amz-Expires=60",
+     "https://b.s3.amazonaws.com/k?X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Expires=60"),
+    ("https://example.com/a?page=2", "https://example.com/a?page=2"),
 ])
 def test_mask_secrets(text, masked):
     assert mask_secrets(text) == masked

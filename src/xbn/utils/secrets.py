@@ -5,10 +5,13 @@ from __future__ import annotations
 import re
 
 MASK = "***"
-# scheme://user:password@host -> scheme://user:***@host; also password=... in a query string or DSN.
-_USERINFO = re.compile(r"(?P<head>[a-zA-Z][\w+.-]*://[^:/@\s]*:)(?P<secret>[^@\s]+)(?P<tail>@)")
-_KEYVALUE = re.compile(r"(?P<head>\b(?:password|passwd|pwd|secret|token)=)(?P<secret>[^&;\s]+)",
-                       re.IGNORECASE)
+# scheme://user:password@host -> scheme://user:***@host. The password runs to the last '@' of the token: an
+# unencoded '@' inside it (`u:p@ss@host`) left `ss` in the clear. Masking too much of a URL is the safe side.
+_USERINFO = re.compile(r"(?P<head>[a-zA-Z][\w+.-]*://[^:/@\s]*:)(?P<secret>\S+)(?P<tail>@)")
+# key=value in a query string, a DSN or an environment line, for any key that names a credential: password,
+# aws_secret_access_key, apikey / api_key, access_token, client_secret, X-Amz-Signature, X-Amz-Credential...
+_KEYVALUE = re.compile(r"(?P<head>\b[\w.-]*(?:password|passwd|pwd|secret|token|api[_-]?key|signature|credential)"
+                       r"[\w-]*=)(?P<secret>[^&;\s]+)", re.IGNORECASE)
 _DATABASE_SCHEMES = ("postgresql", "postgres", "mysql", "mssql")
 
 
