@@ -347,7 +347,7 @@ def _train_to_registry(params: Params, tuned: dict, decision: dict, loaded_from:
     create_markdown_artifact(markdown=markdown, key="xbn-retrain-summary",
                              description="what this retraining did: data, memory, metrics, registry decision")
     if registered and not registered.get("already_registered"):
-        _notify_decision(params, registered, metrics, decision)
+        _notify_decision(params, registered, metrics, decision, _gate_overrides(params, loaded_from[0]))
     if registered:  # the last line: what the registry decided
         logger.info("registry: %s v%s %s: %s", registered["model_name"], registered["version"],
                     registered["decision"], registered["reason"])
@@ -355,7 +355,21 @@ def _train_to_registry(params: Params, tuned: dict, decision: dict, loaded_from:
             "catalogue": full_catalogue, "tuned": tuned}
 
 
-def _notify_decision(params: Params, registered: dict, metrics: dict, decision: dict) -> None:
+def _gate_overrides(params: Params, params_path: str) -> list[str]:
+    """The registry.* settings this run's overrides changed from the params file: anyone who can start the
+    deployment can pass registry.confidence=0.01 or an empty guarded_metrics, and a reviewer must hear of it."""
+    from xbn.config import flatten
+
+    try:
+        base = flatten(load_params(params_path).registry, "registry.")
+    except (ConfigError, OSError):
+        return ["registry.*: the params file could not be read back to compare"]
+    now = flatten(params.registry, "registry.")
+    return [f"{k}: {base.get(k)!r} -> {v!r}" for k, v in now.items() if base.get(k) != v]
+
+
+def _notify_decision(params: Params, registered: dict, metrics: dict, decision: dict,
+                     gate_overrides: list[str] | None = None) -> None:
     """A promotion, or a challenger held for a person's review (the gate did not promote it)."""
     from xbn.stages.notify import notify
 
@@ -369,6 +383,8 @@ def _notify_decision(params: Params, registered: dict, metrics: dict, decision: 
         f"test R@1 {r1:.4f}" if isinstance(r1, float) else "test R@1: not evaluated",
         f"plan: {decision['reason']}",
         *([f"drift: {decision['drift']['line']}"] if decision["drift"] else []),
+        *([f"the gate was changed by this run's overrides: {'; '.join(gate_overrides)}"] if gate_overrides
+          else []),
     ])
     notify(params, title, body)
 

@@ -63,3 +63,15 @@ def test_nothing_configured_or_a_dead_receiver_is_logged_not_raised(monkeypatch,
     with caplog.at_level(logging.WARNING):
         assert not notify(params, "xbn retrain FAILED", "b")
     assert "not delivered" in caplog.text or "failed" in caplog.text
+
+
+def test_a_run_that_overrides_the_gate_says_so():
+    # Issue 41 item 4: registry.* overrides weaken the gate for one run; the decision's notification names them.
+    from pipelines.retrain import _gate_overrides
+
+    path = ROOT / "params.yaml"
+    assert _gate_overrides(load_params(path), str(path)) == []
+    weak = load_params(path, ["registry.confidence=0.01", "registry.guarded_metrics=[]"])
+    assert _gate_overrides(weak, str(path)) == [
+        "registry.guarded_metrics: ['recall@10', 'map@r', 'r_precision', 'nmi'] -> []",
+        "registry.confidence: 0.95 -> 0.01"]

@@ -136,6 +136,11 @@ def test_register_twice_shows_the_interval_in_report_review_and_model_card(param
     assert "metrics above: split test, for reporting only. Promotion is decided on val" in text
     # The first model was promoted without a comparison: no interval on it.
     assert "gate_interval" not in versions(params)[1].tags and "champion v1 gate:" not in text
+    # Issue 41: each version says which gate judged it (a run's overrides can change registry.*).
+    judged = ("recall@1 on val, lower bound of the 95% interval above +0; guarded recall@10, map@r, r_precision, "
+              "nmi within 0.01; 1000 resamples")
+    assert f"**Gate settings:** {judged}" in card and f"challenger v2 judged by: {judged}" in text
+    assert report["gate_settings"]["confidence"] == 0.95 and Registry(params).get(1).gate_settings is not None
 
 
 def test_after_the_data_changed_both_models_are_compared_on_the_current_data(params):

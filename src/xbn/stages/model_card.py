@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from xbn.config import Params, RegistryConfig, flatten
-from xbn.stages.promotion import CHAMPION, GATE, Comparison, Decision, report_metrics
+from xbn.stages.promotion import CHAMPION, GATE, Comparison, Decision, report_metrics, settings_line
 from xbn.tracking import ModelVersionInfo, PipelineRun, run_summary
 from xbn.tracking.history import ChampionChange
 from xbn.tracking.runs import metric_key
@@ -69,6 +69,8 @@ def review_table(params: Params, champion: ModelVersionInfo | None, other: Model
     for title, info in columns:
         if info is not None and (gate := gate_line(info)):
             lines.append(f"{title} v{info.version} gate: {gate}")
+        if info is not None:
+            lines.append(f"{title} v{info.version} judged by: {settings_line(info.gate_settings)}")
     for title, info in columns:
         if info is not None and info.tags.get("reason"):
             lines.append(f"{title} v{info.version} reason: {info.tags['reason']}")
@@ -105,6 +107,7 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
     vs = f"champion v{champion.version}" if champion else "champion (none)"
     lines = [f"# {version.name} v{version.version}", "",
              f"**Decision:** {decision.decision} ({GATE}): {decision.reason}", ""]
+    lines += [f"**Gate settings:** {settings_line(version.gate_settings)}", ""]
     lines += gate_section(decision.comparison, version, cfg)
     lines += ["## Test metrics (reporting only)",
               f"Split `{params.eval.split}`, from `{params.eval.output}`; never used to promote. The "

@@ -167,6 +167,22 @@ def decide(comparison: Comparison, cfg: RegistryConfig) -> Decision:
         f"metric fell by more than {cfg.tolerance:g} on {c.split}"), c)
 
 
+def gate_settings(cfg: RegistryConfig) -> dict[str, Any]:
+    """What decided a promotion besides the data: recorded with every version, shown on its card and in review
+    (anyone who may start a run can override registry.*; the version says which gate it passed)."""
+    return {"split": cfg.gate_split, "primary_metric": cfg.primary_metric, "min_improvement": cfg.min_improvement,
+            "confidence": cfg.confidence, "tolerance": cfg.tolerance, "guarded_metrics": list(cfg.guarded_metrics),
+            "bootstrap_resamples": cfg.bootstrap_resamples}
+
+
+def settings_line(settings: Mapping[str, Any] | None) -> str:
+    if not settings:
+        return "not recorded (registered before xbn recorded them)"
+    return (f"{settings['primary_metric']} on {settings['split']}, lower bound of the {settings['confidence'] * 100:g}% "
+            f"interval above {settings['min_improvement']:+g}; guarded {', '.join(settings['guarded_metrics']) or 'none'}"
+            f" within {settings['tolerance']:g}; {settings['bootstrap_resamples']} resamples")
+
+
 FIRST_MODEL = Decision(True, "promoted", "first registered model: there is no champion to compare with")
 
 

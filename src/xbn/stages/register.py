@@ -44,6 +44,7 @@ from xbn.stages.promotion import (
     Comparison,
     Decision,
     Gate,
+    gate_settings,
     make_champion,
     rollback_target,
 )
@@ -121,7 +122,7 @@ def register(params: Params, tags: dict[str, str] | None = None) -> dict:
             # seen without them. Under the keys evaluate logged them to the run (refined: `refined/...`).
             registry.record(model_uri, run.run_id, metrics, params.eval.split, data,
                             prefix="refined/" if served == "refined" else "",
-                            gate=comparison.as_dict() if comparison else None)
+                            gate=comparison.as_dict() if comparison else None, settings=gate_settings(cfg))
             stamp = _stamp(decision.decision, decision.reason, GATE)
             tags = {"decision": stamp.pop("decision"), "decided_by": stamp.pop("decided_by"),
                     **gate_tags(comparison), "data_hash": data, **lineage, "params_hash": trained_hash,
@@ -343,6 +344,7 @@ def _write_report(params: Params, registry: Registry, info: ModelVersionInfo,
         "decided_at": info.tags.get("decided_at"),
         "metrics": info.metrics,  # the test split's, for reporting
         "gate": info.gate,
+        "gate_settings": info.gate_settings,
         "champion_version": champion.version if champion else None,
         "compared_with": {"version": compared.version, "metrics": compared.metrics} if compared else None,
         "previous_champion": int(previous) if previous else None,

@@ -41,6 +41,7 @@ from xbn.tracking.runs import DATA_ARTIFACTS, PipelineRun, configure, metric_key
 
 METRIC_TAG_PREFIX = "metric."  # versions registered before: a version tag per metric (read, not written)
 GATE_TAG = "gate"  # the gate's comparison as JSON: a tag of the logged model (of the version, before)
+GATE_SETTINGS_TAG = "gate_settings"  # the registry.* settings the gate judged with, as JSON (logged model)
 _LOGGED_MODEL = re.compile(r"models:/(m-[0-9a-f]+)")
 _NOT_FOUND = ErrorCode.Name(RESOURCE_DOES_NOT_EXIST)
 
@@ -60,6 +61,9 @@ class ModelVersionInfo:
     # The reported metrics recorded at registration, under their own names (`recall@1`).
     metrics: dict[str, float] = field(default_factory=dict)
     gate: dict[str, Any] | None = None  # the promotion gate's comparison at registration (None: not compared)
+    # The gate's settings that judged it (registry.confidence, tolerance, guarded_metrics...); None: before xbn
+    # recorded them. A run's overrides can change them, so the version says which gate it passed.
+    gate_settings: dict[str, Any] | None = None
 
 
 SERVED_TAG = "served_embedding"  # plain | refined (seed 001's context refiner on top of the embedder)
@@ -136,13 +140,14 @@ class Registry:
         return self.get(found[0].version) if found else None
 
     def record(self, model_uri: str, run_id: str, metrics: Mapping[str, float], dataset: str, digest: str,
-               prefix: str = "", gate: Mapping[str, Any] | None = None) -> None:
+               prefix: str = "", gate: Mapping[str, Any] | None = None,
+               settings: Mapping[str, Any] | None = None) -> None:
         """Record on the logged model `model_uri`, before it is registered, what its version reports but a
         reviewer does not scan across versions: `metrics` (own names, `recall@1`) as the model's metrics on
         dataset `dataset` with digest `digest` (MLflow logs them to run `run_id` too, as `prefix` + key:
         pass the prefix the evaluate stage logs them under, so the run's values stay what they were), and the
-        gate's comparison `gate` as the model's tag `gate` (JSON). Recording again adds later values, which
-        win."""
+        gate's comparison `gate` as the model's tag `gate` (JSON), and the gate's `settings` as its tag
+        `gate_settings` (JSON). Recording again adds later values, which win."""
         model_id = _model_id(model_uri)
         if model_id is None:
             raise ValueError(f"{model_uri} is not a logged model (models:/m-...)")
@@ -150,8 +155,9 @@ class Registry:
         self.client.log_batch(run_id, metrics=[
             Metric(prefix + metric_key(k), float(v), now, 0, model_id=model_id, dataset_name=dataset,
                    dataset_digest=digest) for k, v in metrics.items()])
-        if gate is not None:
-            self.client.set_logged_model_tags(model_id, {GATE_TAG: json.dumps(dict(gate), sort_keys=True)})
+        tags = {GATE_TAG: gate, GATE_SETTINGS_TAG: settings}
+        if written := {k: json.dumps(dict(v), sort_keys=True) for k, v in tags.items() if v is not None}:
+            self.client.set_logged_model_tags(model_id, written)
 
     def create(self, model_uri: str, tags: Mapping[str, str]) -> ModelVersionInfo:
         """Register `model_uri` (a logged model) as the next version, with tags."""
@@ -294,7 +300,7 @@ class Registry:
     def _info(self, mv) -> ModelVersionInfo:
         created = datetime.fromtimestamp(mv.creation_timestamp / 1000, tz=timezone.utc)
         tags = dict(mv.tags or {})
-        metrics, gate = self._recorded(mv.model_id or _model_id(mv.source))
+        metrics, gate, settings = self._recorded(mv.model_id or _model_id(mv.source))
         if not metrics:  # registered before: one version tag per metric
             metrics = {metric_name(k[len(METRIC_TAG_PREFIX):]): float(v) for k, v in tags.items()
                        if k.startswith(METRIC_TAG_PREFIX)}
@@ -304,27 +310,29 @@ class Registry:
             name=mv.name, version=int(mv.version), run_id=mv.run_id or None,
             created_at=created.isoformat(timespec="seconds"), source=mv.source,
             aliases=tuple(mv.aliases or ()), tags=tags, description=mv.description or "",
-            metrics=metrics, gate=gate,
+            metrics=metrics, gate=gate, gate_settings=settings,
         )
 
-    def _recorded(self, model_id: str | None) -> tuple[dict[str, float], dict[str, Any] | None]:
+    def _recorded(self, model_id: str | None) -> tuple[dict[str, float], dict[str, Any] | None,
+                                                        dict[str, Any] | None]:
         """What `record` wrote on logged model `model_id`: the metrics (the latest value of each) and the
         gate. Only metrics with a dataset count: MLflow also links the run's metrics of the moment to a model
         when it is logged (training curves, `eval/...` counts), without one."""
         if model_id is None:
-            return {}, None
+            return {}, None, None
         try:
             model = self.client.get_logged_model(model_id)
         except MlflowException as exc:
             if exc.error_code == _NOT_FOUND:
-                return {}, None
+                return {}, None, None
             raise
         metrics: dict[str, float] = {}
         for m in sorted(model.metrics or (), key=lambda m: (m.step, m.timestamp)):
             if m.dataset_name:
                 metrics[metric_name(m.key.rsplit("/", 1)[-1])] = m.value  # less the prefix (`refined/`)
-        text = (model.tags or {}).get(GATE_TAG)
-        return metrics, json.loads(text) if text else None
+        tags = model.tags or {}
+        gate, settings = (json.loads(tags[k]) if tags.get(k) else None for k in (GATE_TAG, GATE_SETTINGS_TAG))
+        return metrics, gate, settings
 
 
 def _model_id(uri: str | None) -> str | None:
