@@ -178,3 +178,27 @@ def test_a_snapshot_the_remote_lacks_is_a_one_line_error(project, tmp_path):
         restore(record, tmp_path / "restored")
     assert not (tmp_path / "restored").exists() and not list(tmp_path.glob(".restored.restoring-*"))
     assert not list(project.glob(".xbn-restore*"))
+
+
+def test_dvc_files_a_kill_cut_short_are_repaired_and_the_snapshot_goes_on(project, tiny_params):
+    # Issue 40 item 7: DVC rewrites its files in place. A truncated record failed every later snapshot ("unexpected
+    # error - 'path'"), and an rwlock entry whose PID now belongs to a live process blocked it forever.
+    params = prepared(tiny_params)
+    first = snapshot(params)
+    record = project / "data" / "catalogue.dvc"
+    record.write_text(record.read_text()[:30])  # cut mid-write
+    (project / "dvc.lock").write_text("schema: '2.0'\nstages:\n  prepare:\n    cmd: [")
+    sleeper = subprocess.Popen(["sleep", "60"])  # a live process that is not the lock's holder
+    try:
+        (project / ".dvc" / "tmp").mkdir(exist_ok=True)
+        (project / ".dvc" / "tmp" / "rwlock").write_text(json.dumps(
+            {"read": {}, "write": {str(project / "data" / "catalogue"): {"pid": sleeper.pid, "cmd": "dvc add x"}}}))
+        again = snapshot(params)
+    finally:
+        sleeper.kill()
+    assert again.md5 == first.md5 and "md5" in record.read_text()  # rebuilt from the folder: the same data
+    assert {p.name.split(".corrupt-")[0] for p in project.rglob("*.corrupt-*")} == {"dvc.lock", "catalogue.dvc"}
+    assert not any(json.loads((project / ".dvc" / "tmp" / "rwlock").read_text()).values())  # no lock held
+    (project / ".dvc" / "tmp" / "rwlock").write_text('{"read": {"x": [{"pid": 1')  # truncated JSON
+    assert snapshot(params).md5 == first.md5
+    assert not any(json.loads((project / ".dvc" / "tmp" / "rwlock").read_text()).values())

@@ -96,7 +96,7 @@ def check_versioning(params: Params) -> None:
     data.version: dvc, a DVC project around the working directory, data.root inside it, a reachable remote."""
     if params.data.version == "none":
         return
-    with _project() as repo:
+    with _project(params.data.root) as repo:
         _reachable_remote(repo)
         _require_inside(repo, Path(params.data.root).resolve())
 
@@ -116,7 +116,7 @@ def snapshot(params: Params, push: bool = True) -> DataSnapshot:
         found = DataSnapshot("none", str(root), manifest_md5)
         _write(found, _files(params, {}))
         return found
-    with _project() as repo:
+    with _project(root) as repo:
         remote = _reachable_remote(repo)
         out = _track(repo, root.resolve())
         # DVC uploads a folder's `.dir` object only after every file in it (dvc_data's transfer): when the
@@ -209,13 +209,18 @@ def restore(record: Mapping[str, Any], destination: str | Path) -> int:
 
 
 @contextlib.contextmanager
-def _project() -> Iterator[Any]:
-    """The DVC project the working directory belongs to."""
+def _project(data_root: str | Path | None = None) -> Iterator[Any]:
+    """The DVC project the working directory belongs to, after the repair of what a killed DVC write left
+    behind in it (`xbn.data.dvc_files`; `data_root`: the data folder whose `.dvc` record is checked too)."""
     from dvc.exceptions import NotDvcRepoError
     from dvc.repo import Repo
 
+    from xbn.data.dvc_files import repair_dvc_files
+
     try:
-        repo = Repo()
+        root = Repo.find_root()
+        repair_dvc_files(root, data_root)
+        repo = Repo(root)
     except NotDvcRepoError:
         raise ConfigError(f"data.version: dvc needs a DVC project, and {Path.cwd()} is not in one: run "
                           "`dvc init` (and `dvc remote add -d NAME URL`) there, or set data.version: none to "
