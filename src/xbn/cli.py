@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from xbn.utils.errors import (
     TrainingStalledError,
 )
 from xbn.utils.allocator import fix_malloc_thresholds
+from xbn.utils.locks import LockLost, RunBusy
 from xbn.utils.logs import configure_logging
 
 # The commands that build a loss, a backbone or use the device: their params also have those names resolved
@@ -264,6 +266,21 @@ def _stage_run(params: Params, args) -> str:
     return _summary(params, args)
 
 
+# The commands that change the registry as a pipeline run: one at a time per registered model, whatever started
+# them (the retrain flow takes the same lock; `xbn run` registering re-enters it).
+RUN_LOCKED = {"run", "register"}
+
+
+def _run_lock(params: Params, command: str):
+    if command not in RUN_LOCKED or not params.tracking.enabled:
+        return contextlib.nullcontext()
+    from xbn.tracking import tracking_uri
+    from xbn.tracking.locks import run_lock
+
+    t = params.tracking
+    return run_lock(tracking_uri(params), params.registry.model_name, f"xbn {command}", t.run_wait_s, t.lock_uri)
+
+
 def _summary(params: Params, args) -> str:
     from xbn.stages.summary import summary_text
 
@@ -498,14 +515,17 @@ def main(argv: list[str] | None = None) -> int:
         ((ServiceUnavailableError,), EXIT_SERVICE),  # the tracking store is down: nothing was started
         # Nothing to serve or to roll back to, an unknown version, no index attached; a non-finite loss (the
         # message names the iteration; the last good checkpoint is kept).
-        # PermissionError: a read-only working folder or output (the message names the file).
-        ((RegistryError, NonFiniteLossError, TrainingStalledError, PermissionError), EXIT_FAILURE),
+        # PermissionError: a read-only working folder or output (the message names the file). RunBusy: another
+        # run on the same model holds the run lock; LockLost: the lock died with its database connection.
+        ((RegistryError, NonFiniteLossError, TrainingStalledError, PermissionError, RunBusy, LockLost),
+         EXIT_FAILURE),
     )
     try:
-        if args.command in STAGE_COMMANDS:
-            result = _recorded(args.command, args.fn, params, args)
-        else:
-            result = args.fn(params, args)
+        with _run_lock(params, args.command):
+            if args.command in STAGE_COMMANDS:
+                result = _recorded(args.command, args.fn, params, args)
+            else:
+                result = args.fn(params, args)
     except tuple(kind for kinds, _ in exit_codes for kind in kinds) as exc:
         print(f"xbn {args.command}: {exc}", file=sys.stderr)
         return next(code for kinds, code in exit_codes if isinstance(exc, kinds))

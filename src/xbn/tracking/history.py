@@ -68,6 +68,7 @@ def append_history(registry: Registry, *, by: str, action: str, from_version: in
         seq=(history[-1].seq + 1) if history else 1,
         at=datetime.now(timezone.utc).isoformat(timespec="seconds"), by=by, action=action,
         from_version=from_version, to_version=int(to_version), reason=reason[:_MAX_REASON], undoes=undoes)
+    registry.check_lock()
     registry.client.set_registered_model_tag(registry.name, f"{HISTORY_TAG_PREFIX}{entry.seq:0{_SEQ_DIGITS}d}",
                                              json.dumps(asdict(entry), sort_keys=True))
     return entry

@@ -6,8 +6,16 @@ The lock lives where the store is:
 - a database store (PostgreSQL): a session-level advisory lock (`pg_advisory_lock`) on the same database,
   keyed by the registered model's name, held on its own connection and released when that connection ends
   (so a killed holder never leaves it stuck);
-- a tracking server (http): the server offers no lock, so only processes of this machine are serialised, with
-  a file lock in the temp directory keyed by the URI.
+- a tracking server (http): the server offers no lock, so the lock is an advisory lock in the PostgreSQL that
+  `tracking.lock_uri` (or `$XBN_LOCK_URI`) names, shared by every container and machine; without one, only the
+  processes of this machine are serialised, with a file lock in the temp directory keyed by the URI (a warning
+  says so).
+
+`run_lock` is the same kind of lock around a whole pipeline execution (the retrain flow, `xbn retrain`,
+`xbn run`, `xbn register`), so that two runs on one registered model never interleave, whatever started them;
+re-entered by the same process (`xbn run` registering), it is a no-op. A held lock is checked (`Held.check`)
+before each registry write: an advisory lock dies with its connection when PostgreSQL restarts, and its holder
+must stop rather than write unguarded.
 """
 
 from __future__ import annotations
@@ -15,12 +23,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
-from xbn.utils.locks import LockTimeout, advisory_key, advisory_lock, file_lock
+from xbn.utils.locks import Held, LockTimeout, RunBusy, advisory_key, advisory_lock, file_lock
+from xbn.utils.secrets import mask_secrets
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +39,10 @@ DEFAULT_TIMEOUT_S = 600.0
 
 class RegistryLockTimeout(LockTimeout):
     """Another promotion held the registry lock for longer than the timeout."""
+
+
+LOCK_URI_ENV = "XBN_LOCK_URI"
+_HELD_RUNS: dict[str, Held] = {}  # run locks this process holds, by label: a nested acquisition is a no-op
 
 
 def lock_key(name: str) -> int:
@@ -41,25 +55,58 @@ def _label(name: str) -> str:
 
 
 @contextlib.contextmanager
-def registry_lock(uri: str, name: str, timeout: float = DEFAULT_TIMEOUT_S) -> Iterator[None]:
+def registry_lock(uri: str, name: str, timeout: float = DEFAULT_TIMEOUT_S,
+                  lock_uri: str | None = None) -> Iterator[Held]:
     """Hold the registry lock of model `name` in the store at tracking `uri` inside the block."""
-    scheme = urlparse(uri).scheme.split("+")[0]
-    lock = (advisory_lock(uri, _label(name), timeout) if scheme in ("postgresql", "postgres")
-            else file_lock(_lock_file(uri, scheme, name), timeout))
     with contextlib.ExitStack() as held:
         try:
-            held.enter_context(lock)
+            hold = held.enter_context(_lock(uri, _label(name), name, timeout, lock_uri))
         except LockTimeout as exc:
             raise RegistryLockTimeout(f"registry: {exc}") from None
-        yield
+        yield hold
 
 
-def _lock_file(uri: str, scheme: str, name: str) -> Path:
+@contextlib.contextmanager
+def run_lock(uri: str, name: str, what: str, wait_s: float = 0.0, lock_uri: str | None = None) -> Iterator[Held]:
+    """Hold the run lock of model `name` inside the block (`what`: the command, for the message a second run
+    gets); `wait_s`: how long a second run waits before it refuses to start (`RunBusy`)."""
+    label = f"xbn-run:{name}"
+    if label in _HELD_RUNS:  # this process already runs it (`xbn run` -> register)
+        yield _HELD_RUNS[label]
+        return
+    with contextlib.ExitStack() as held:
+        try:
+            hold = held.enter_context(_lock(uri, label, name, wait_s, lock_uri, suffix=".run.lock"))
+        except LockTimeout as exc:
+            raise RunBusy(f"{what}: another run on {name} is in progress ({exc}); this one did not start: "
+                          "run it again when that one has ended") from None
+        _HELD_RUNS[label] = hold
+        try:
+            yield hold
+        finally:
+            del _HELD_RUNS[label]
+
+
+def _lock(uri: str, label: str, name: str, timeout: float | None, lock_uri: str | None, suffix: str = ".registry.lock"):
+    scheme = urlparse(uri).scheme.split("+")[0]
+    if scheme in ("postgresql", "postgres"):
+        return advisory_lock(uri, label, timeout)
+    shared = lock_uri or os.environ.get(LOCK_URI_ENV)
+    if shared:
+        return advisory_lock(shared, label, timeout)
+    if scheme in ("http", "https"):
+        log.warning("the tracking store %s offers no lock and no tracking.lock_uri (or $%s) names a PostgreSQL "
+                    "to hold one in: %s excludes only the processes of this machine", mask_secrets(uri),
+                    LOCK_URI_ENV, label)
+    return file_lock(_lock_file(uri, scheme, name, suffix), timeout)
+
+
+def _lock_file(uri: str, scheme: str, name: str, suffix: str = ".registry.lock") -> Path:
     if scheme == "sqlite":
         db = uri.split(":///", 1)[1] if ":///" in uri else ""
         if db and db != ":memory:":
-            return Path(db).with_name(Path(db).name + ".registry.lock")
+            return Path(db).with_name(Path(db).name + suffix)
     elif scheme in ("", "file"):  # a ./mlruns file store
-        return Path(urlparse(uri).path if scheme else uri) / ".registry.lock"
+        return Path(urlparse(uri).path if scheme else uri) / suffix
     digest = hashlib.sha256(f"{uri}\n{name}".encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"xbn-registry-{digest}.lock"
+    return Path(tempfile.gettempdir()) / f"xbn-{digest}{suffix}"

@@ -13,6 +13,7 @@ tags (`metric.<key>`, `gate`); they are still read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -102,11 +103,25 @@ class Registry:
         self.uri = configure(params)
         self.client = MlflowClient(self.uri)
         self.name = params.registry.model_name
+        self.lock_uri = params.tracking.lock_uri
+        self._held = None  # the registry lock, while `lock()` holds it
 
+    @contextlib.contextmanager
     def lock(self, timeout: float = DEFAULT_TIMEOUT_S):
         """Serialise a read-decide-move-alias step with every other process promoting this model in this
-        store (see `xbn.tracking.locks`); without it two runs could both see no champion and both win."""
-        return registry_lock(self.uri, self.name, timeout)
+        store (see `xbn.tracking.locks`); without it two runs could both see no champion and both win. Every
+        write inside the block first checks that the lock is still held (`LockLost` otherwise)."""
+        with registry_lock(self.uri, self.name, timeout, self.lock_uri) as held:
+            self._held = held
+            try:
+                yield held
+            finally:
+                self._held = None
+
+    def check_lock(self) -> None:
+        """Raise `LockLost` if the registry lock this object holds (inside `lock()`) is gone."""
+        if self._held is not None:
+            self._held.check()
 
     def by_alias(self, alias: str) -> ModelVersionInfo | None:
         try:
@@ -161,16 +176,20 @@ class Registry:
 
     def create(self, model_uri: str, tags: Mapping[str, str]) -> ModelVersionInfo:
         """Register `model_uri` (a logged model) as the next version, with tags."""
+        self.check_lock()
         version = mlflow.register_model(model_uri, self.name, tags=dict(tags))
         return self.get(version.version)
 
     def set_description(self, version: int, text: str) -> None:
+        self.check_lock()
         self.client.update_model_version(self.name, str(version), description=text)
 
     def set_alias(self, alias: str, version: int) -> None:
+        self.check_lock()
         self.client.set_registered_model_alias(self.name, alias, str(version))
 
     def remove_alias(self, alias: str) -> None:
+        self.check_lock()
         if self.by_alias(alias) is not None:
             self.client.delete_registered_model_alias(self.name, alias)
 
@@ -294,6 +313,7 @@ class Registry:
         return model_id
 
     def set_tags(self, version: int, tags: Mapping[str, Any]) -> None:
+        self.check_lock()
         for key, value in tags.items():
             self.client.set_model_version_tag(self.name, str(version), key, str(value))
 

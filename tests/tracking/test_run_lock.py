@@ -1,0 +1,74 @@
+"""One run per registered model at a time, whatever started it, and a lost lock stops its holder (issue 40
+items 4 and 6). Real processes: a holder in its own process, `xbn register` beside it; a real PostgreSQL whose
+backend holding the advisory lock is terminated, as a server restart or a failover ends it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import sqlalchemy as sa
+import yaml
+
+from infra.support import PG_HOST, PG_PORT, PG_USER, require_postgres
+from xbn.cli import main
+from xbn.tracking import Registry
+from xbn.utils.locks import LockLost
+
+from .helpers import run_pipeline, write_eval, write_model
+
+PG = f"postgresql+psycopg2://{PG_USER}@{PG_HOST}:{PG_PORT}/postgres"
+
+_HOLDER = """
+import sys
+from xbn.tracking.locks import run_lock
+with run_lock(sys.argv[1], "xbn-embedder", "holder", 0, sys.argv[2] or None):
+    print("held", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def _holder(uri: str, lock_uri: str | None) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, uri, lock_uri or ""], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["sqlite-file-lock", "postgresql-lock-uri"])
+def test_a_second_run_on_the_same_model_refuses_to_start_and_says_why(params, tmp_path, capsys, shared):
+    if shared:
+        require_postgres()
+        params.tracking.lock_uri = PG
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
+    write_model(params, 0)
+    write_eval(params)
+    holder = _holder(params.tracking.uri, params.tracking.lock_uri)
+    try:
+        assert main(["register", "--params", str(path), "-q"]) == 1
+        err = capsys.readouterr().err
+        assert "xbn register: another run on xbn-embedder is in progress" in err and "did not start" in err
+        assert len(err.strip().splitlines()) == 1  # one line, no traceback
+        assert Registry(params).by_alias("champion") is None  # nothing registered
+    finally:
+        holder.communicate("\n", timeout=30)
+    assert main(["register", "--params", str(path), "-q"]) == 0  # free again
+
+
+def test_a_registry_lock_lost_with_its_connection_stops_the_holder_before_it_writes(params):
+    require_postgres()
+    params.tracking.lock_uri = PG
+    run_pipeline(params, seed=0)
+    registry = Registry(params)
+    with registry.lock() as held:
+        registry.set_tags(1, {"note": "under the lock"})
+        with sa.create_engine(PG, isolation_level="AUTOCOMMIT").connect() as admin:  # the server drops it
+            backend = held._conn.execute(sa.text("SELECT pg_backend_pid()")).scalar()
+            admin.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": backend})
+        with pytest.raises(LockLost, match="lost with its database connection"):
+            registry.set_tags(1, {"note": "unguarded"})
+        with pytest.raises(LockLost):
+            registry.set_alias("champion", 1)
+    assert registry.get(1).tags["note"] == "under the lock"
