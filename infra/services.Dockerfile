@@ -15,7 +15,7 @@ ENV PYTHONUNBUFFERED=1 \
 COPY requirements/lock.txt /tmp/requirements/lock.txt
 COPY infra/requirements-s3.txt /tmp/requirements/requirements-s3.txt
 RUN pip install -c /tmp/requirements/lock.txt -c /tmp/requirements/requirements-s3.txt \
-        mlflow prefect fastapi psycopg2-binary asyncpg boto3 \
+        "mlflow[auth]" prefect fastapi psycopg2-binary asyncpg boto3 \
  && useradd --create-home --uid 10001 --user-group xbn
 
 USER xbn

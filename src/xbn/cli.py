@@ -529,6 +529,14 @@ def main(argv: list[str] | None = None) -> int:
     except tuple(kind for kinds, _ in exit_codes for kind in kinds) as exc:
         print(f"xbn {args.command}: {exc}", file=sys.stderr)
         return next(code for kinds, code in exit_codes if isinstance(exc, kinds))
+    except Exception as exc:
+        if "mlflow" in sys.modules:  # an MLflow 401/403: the account's settings, one line, exit 2
+            from xbn.tracking.services import access_denied
+
+            if (line := access_denied(exc)) is not None:
+                print(f"xbn {args.command}: {line}", file=sys.stderr)
+                return EXIT_CONFIG
+        raise
     if result is None:  # a command that ran until stopped (serve)
         return 0
     try:

@@ -44,8 +44,8 @@ def values(node, path=""):
 
 
 def test_services():
-    assert set(SERVICES) == {"postgres", "minio", "minio-init", "mlflow", "prefect-server", "prefect-worker",
-                             "trainer"}
+    assert set(SERVICES) == {"postgres", "minio", "minio-init", "mlflow", "mlflow-accounts", "prefect-server",
+                             "prefect-worker", "trainer"}
     assert set(COMPOSE["volumes"]) >= {"pgdata", "minio-data"}
     for name, service in SERVICES.items():
         for volume in service.get("volumes", []):
@@ -76,7 +76,7 @@ def test_no_credential_literals():
         key = where.rsplit(".", 1)[-1]
         if "=" in text and not text.startswith(("http", "postgres")):  # --flag=value, KEY=value
             key, text = text.split("=", 1)
-        if SECRET_KEY.search(key):
+        if SECRET_KEY.search(key) and not key.endswith("_PATH"):  # MLFLOW_AUTH_CONFIG_PATH names a file
             assert REFERENCE.fullmatch(text), f"{where}: {key} is a literal, not a ${{VAR}} reference"
         for userinfo in re.findall(r"://([^/\s@]+)@", text):  # user:password@host in a URL
             password = userinfo.partition(":")[2]
@@ -87,7 +87,7 @@ def test_no_credential_literals():
 
 
 def test_healthchecks_and_start_order():
-    one_shot = {"minio-init"}
+    one_shot = {"minio-init", "mlflow-accounts"}
     for name, service in SERVICES.items():
         if name not in one_shot and "profiles" not in service:
             assert "healthcheck" in service and service["healthcheck"]["test"], f"{name} has no healthcheck"
@@ -138,6 +138,24 @@ def test_mlflow_server():
                         env["MLFLOW_BACKEND_STORE_URI"])
     assert env["MLFLOW_S3_ENDPOINT_URL"] == "http://minio:9000"
     assert "mlflow:5000" in env_example()["MLFLOW_ALLOWED_HOSTS"].split(",")
+    # Issue 41: authenticated, nothing allowed that no grant names, secrets from the environment only.
+    assert "--app-name=basic-auth" in mlflow["command"]
+    ini = (INFRA / "mlflow/basic_auth.ini").read_text()
+    settings = [line for line in ini.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert "default_permission = NO_PERMISSIONS" in settings
+    assert not any(line.startswith("admin_password") for line in settings)  # MLFLOW_AUTH_ADMIN_PASSWORD
+    assert "database_uri = postgresql+psycopg2://mlflow_auth@postgres:5432/mlflow_auth" in settings  # PGPASSWORD
+    assert env["MLFLOW_AUTH_CONFIG_PATH"] == "/etc/mlflow/basic_auth.ini"
+    assert "./mlflow/basic_auth.ini:/etc/mlflow/basic_auth.ini:ro" in mlflow["volumes"]
+    for key in ("MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY", "PGPASSWORD"):
+        assert REFERENCE.fullmatch(env[key]), key
+    # Every process that trains signs in as the pipeline's account; the accounts job creates it first.
+    trainer = environment("trainer")
+    assert trainer["MLFLOW_TRACKING_USERNAME"].startswith("${XBN_PIPELINE_USER")
+    assert REFERENCE.fullmatch(trainer["MLFLOW_TRACKING_PASSWORD"])
+    accounts = " ".join(SERVICES["mlflow-accounts"]["command"])
+    assert "xbn.tracking.accounts" in accounts and {"pipeline:", "reviewer:", "reader:"} <= {
+        a.split("=", 1)[1].split("$")[0] for a in SERVICES["mlflow-accounts"]["command"] if a.startswith("--account")}
 
 
 def test_prefect_server_and_worker():

@@ -1,6 +1,8 @@
-"""The compose stack's MLflow service, natively: a real `mlflow server` on loopback with a PostgreSQL backend
-store and proxied artifacts, and the tiny pipeline (prepare -> validate -> train -> evaluate -> register) run
-against it over HTTP, registry included."""
+"""The compose stack's MLflow service, natively: a real `mlflow server --app-name basic-auth` on loopback with a
+PostgreSQL backend store, its auth database on PostgreSQL too, `default_permission = NO_PERMISSIONS`, proxied
+artifacts, and the accounts of infra/README.md provisioned by `python -m xbn.tracking.accounts`. The tiny
+pipeline (prepare -> validate -> train -> evaluate -> register -> index) runs against it over HTTP as the
+pipeline's service account; then each account is held to what it may do (issue 41)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import pytest
 
 from tests_support import ROOT, TINY
 
+from xbn.tracking.accounts import password_variable
+
 from .support import admin_execute, env_example, free_port, require_postgres, stop, wait_http
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("mlflow-server")]
@@ -25,6 +29,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("mlflow-server")]
 MODEL_NAME = "xbn-embedder"  # registry.model_name in params.yaml
 CLIENT_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID",
               "MLFLOW_RUN_ID", "XBN_PARENT_RUN_ID")
+
+
+ADMIN = ("admin", "admin-pw-for-tests-only")
+# role, username, password: infra/README.md's table of accounts
+ACCOUNTS = {"pipeline": ("xbn-pipeline", "pipeline-pw-0001"), "reader": ("xbn-serve", "serve-pw-00000001"),
+            "reviewer": ("alice", "alice-pw-00000001")}
 
 
 @dataclass(frozen=True)
@@ -45,9 +55,17 @@ def mlflow_server(tmp_path_factory) -> Iterator[Server]:
     home = tmp_path_factory.mktemp("mlflow-server")
     artifacts, log = home / "artifacts", home / "server.log"
     port = free_port()
-    admin_execute(f'CREATE DATABASE "{database}"')
-    env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV}
-    cmd = [sys.executable, "-m", "mlflow", "server",
+    admin_execute(f'CREATE DATABASE "{database}"', f'CREATE DATABASE "{database}_auth"')
+    # infra/mlflow/basic_auth.ini with this test's auth database; the admin's password from the environment.
+    ini = (ROOT / "infra/mlflow/basic_auth.ini").read_text().replace(
+        "postgresql+psycopg2://mlflow_auth@postgres:5432/mlflow_auth",
+        f"postgresql+psycopg2://postgres@127.0.0.1:5432/{database}_auth")
+    (home / "basic_auth.ini").write_text(ini)
+    env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV + ("MLFLOW_TRACKING_USERNAME",
+                                                                        "MLFLOW_TRACKING_PASSWORD")}
+    env |= {"MLFLOW_AUTH_CONFIG_PATH": str(home / "basic_auth.ini"), "MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN[1],
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": uuid.uuid4().hex}
+    cmd = [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth",
            "--backend-store-uri", f"postgresql+psycopg2://postgres@127.0.0.1:5432/{database}",
            "--artifacts-destination", str(artifacts),
            "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
@@ -59,11 +77,18 @@ def mlflow_server(tmp_path_factory) -> Iterator[Server]:
                                     start_new_session=True)
         server = Server(f"http://127.0.0.1:{port}", port, database, artifacts, log)
         wait_http(f"{server.url}/health", proc, log, timeout=180)  # the first start migrates the database
+        provision = [sys.executable, "-m", "xbn.tracking.accounts", "--uri", server.url,
+                     *(f"--account={role}:{user}" for role, (user, _) in ACCOUNTS.items())]
+        secrets_env = {**env, "MLFLOW_TRACKING_USERNAME": ADMIN[0], "MLFLOW_TRACKING_PASSWORD": ADMIN[1],
+                       **{password_variable(user): pw for user, pw in ACCOUNTS.values()}}
+        done = subprocess.run(provision, env=secrets_env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
         yield server
     finally:
         if proc is not None:
             stop(proc)
-        admin_execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        admin_execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)',
+                      f'DROP DATABASE IF EXISTS "{database}_auth" WITH (FORCE)')
 
 
 @pytest.fixture
@@ -75,11 +100,20 @@ def client_env(mlflow_server, tmp_path, monkeypatch):
     for var in CLIENT_ENV:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
+    as_account(monkeypatch, "pipeline")
     yield
     while mlflow.active_run():
         mlflow.end_run()
     # The stages set it globally, and in the environment (which monkeypatch restores).
     mlflow.set_tracking_uri(None)
+
+
+def as_account(monkeypatch, role: str) -> str:
+    """Act as the account of `role` (MLflow's client reads the credentials from the environment)."""
+    user, password = ACCOUNTS[role] if role in ACCOUNTS else ADMIN
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+    return user
 
 
 def sha256(path: Path) -> str:
@@ -105,6 +139,9 @@ def test_tiny_pipeline_registers_a_champion_through_the_server(mlflow_server, cl
     evaluate(params)
     report = register(params)
     assert report["version"] == 1 and report["decision"] == "promoted" and report["alias"] == "champion"
+    from xbn.stages.index import index
+
+    assert index(params)["version"] == 1  # the champion's index, for the serving account below
 
     # The registry, as the server reports it.
     client = MlflowClient(mlflow_server.url)
@@ -141,7 +178,8 @@ def test_compose_allowed_hosts_admit_the_network_name_only(mlflow_server):
     def status(host: str) -> int:
         conn = http.client.HTTPConnection("127.0.0.1", mlflow_server.port, timeout=10)
         try:
-            conn.request("GET", "/api/2.0/mlflow/experiments/search?max_results=1", headers={"Host": host})
+            conn.request("GET", "/api/2.0/mlflow/experiments/search?max_results=1",
+                         headers={"Host": host, "Authorization": basic("pipeline")})
             return conn.getresponse().status
         finally:
             conn.close()
@@ -149,3 +187,118 @@ def test_compose_allowed_hosts_admit_the_network_name_only(mlflow_server):
     assert status("mlflow:5000") == 200
     assert status("localhost:5000") == 200
     assert status("rebinding.example:5000") == 403
+
+
+def basic(role: str) -> str:
+    import base64
+
+    user, password = ACCOUNTS.get(role, ADMIN)
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+def call(server: Server, method: str, path: str, role: str | None, body: dict | None = None) -> int:
+    """The HTTP status of one REST request, as `role` (None: anonymous)."""
+    import json
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    headers = {"Content-Type": "application/json", **({"Authorization": basic(role)} if role else {})}
+    if method == "GET":  # MLflow reads a GET's parameters from the query string
+        from urllib.parse import urlencode
+
+        path, body = f"{path}?{urlencode(body or {})}", None
+    try:
+        conn.request(method, f"/api/2.0/mlflow/{path}", body=None if body is None else json.dumps(body),
+                     headers=headers)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+WRITES = [  # (method, endpoint, body): what a compromised process on the network would try
+    ("POST", "registered-models/create", {"name": "planted"}),
+    ("POST", "registered-models/set-tag", {"name": MODEL_NAME, "key": "model_sha256", "value": "0" * 64}),
+    ("POST", "registered-models/alias", {"name": MODEL_NAME, "alias": "champion", "version": "1"}),
+    ("POST", "model-versions/set-tag", {"name": MODEL_NAME, "version": "1", "key": "decision", "value": "x"}),
+    ("DELETE", "registered-models/alias", {"name": MODEL_NAME, "alias": "champion"}),
+    ("DELETE", "registered-models/delete", {"name": MODEL_NAME}),
+    ("POST", "experiments/create", {"name": "planted"}),
+]
+
+
+def test_each_account_may_do_what_its_role_allows_and_nothing_more(mlflow_server, client_env, capsys):
+    """Issue 41: the status codes of the same requests for each account (the note gives the table)."""
+    statuses = {role: {f"{m} {p}": call(mlflow_server, m, p, role, b) for m, p, b in WRITES}
+                for role in (None, "reader")}
+    print("status codes:", statuses)
+    assert set(statuses[None].values()) == {401}  # anonymous: not one write
+    # The serving account may not touch xbn's model. MLflow lets any authenticated account create a model or an
+    # experiment of its own (its creator then manages it): that changes nothing xbn reads.
+    creates = {"POST registered-models/create", "POST experiments/create"}
+    assert {k: v for k, v in statuses["reader"].items() if k not in creates} == {
+        f"{m} {p}": 403 for m, p, _ in WRITES if f"{m} {p}" not in creates}
+    get = "registered-models/get"
+    assert call(mlflow_server, "GET", get, "reader", {"name": MODEL_NAME}) == 200
+    assert call(mlflow_server, "GET", get, None, {"name": MODEL_NAME}) == 401
+    # The pipeline and a reviewer may move aliases and write tags (EDIT), never delete (MANAGE: the admin).
+    for role in ("pipeline", "reviewer"):
+        assert call(mlflow_server, "POST", "model-versions/set-tag", role,
+                    {"name": MODEL_NAME, "version": "1", "key": f"seen_by_{role}", "value": "1"}) == 200
+        assert call(mlflow_server, "DELETE", "registered-models/delete", role, {"name": MODEL_NAME}) == 403
+        assert call(mlflow_server, "DELETE", "model-versions/delete", role,
+                    {"name": MODEL_NAME, "version": "1"}) == 403
+    assert call(mlflow_server, "GET", get, "admin", {"name": MODEL_NAME}) == 200
+
+
+def test_the_serving_account_serves_the_champion(mlflow_server, client_env, monkeypatch, tmp_path, glyph_root):
+    from serving.serving_support import running
+
+    from xbn.config import load_params
+    from xbn.stages.serve import serving_app
+
+    as_account(monkeypatch, "reader")
+    params = load_params(ROOT / "params.yaml", [*TINY, f"data.root={glyph_root}", "tracking.enabled=true"])
+    with running(serving_app(params, token=None)) as client:  # what `xbn serve` runs
+        health = client.get("/health")
+        assert health.status_code == 200 and health.json()["alias"] == "champion"
+        image = next(glyph_root.rglob("*.png")).read_bytes()
+        found = client.post("/search", files={"image": ("q.png", image)}, data={"k": "3"})
+        assert found.status_code == 200 and len(found.json()["results"]) == 3
+
+
+def test_a_reviewer_promotes_as_themselves_and_a_wrong_password_is_one_line(mlflow_server, client_env, monkeypatch,
+                                                                             tmp_path, capsys, glyph_root):
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    from xbn.cli import EXIT_CONFIG, main
+    from xbn.config import load_params
+    from xbn.tracking import Registry
+
+    params = load_params(ROOT / "params.yaml", [*TINY, f"data.root={glyph_root}", "tracking.enabled=true"])
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
+    registry = Registry(params)  # as the pipeline: a second version for the reviewer to choose
+    first = registry.get(1)
+    second = registry.create(first.source, {"model_sha256": "f" * 64, "decision": "held"}).version
+    user = as_account(monkeypatch, "reviewer")
+    code = main(["registry", "--params", str(path), "promote", "--version", str(second), "--reason",
+                 "checked by hand"])
+    assert code == 0, capsys.readouterr().err
+    tags = MlflowClient(mlflow_server.url).get_model_version(MODEL_NAME, str(second)).tags
+    assert tags["decided_by"] == user == "alice"  # the authenticated account, not $USER
+    assert main(["registry", "--params", str(path), "promote", "--version", "1", "--reason", "as me", "--user",
+                 "mallory"]) == 1  # a --user that is not the account is refused
+    assert main(["registry", "--params", str(path), "rollback", "--reason", "back to v1"]) == 0
+    capsys.readouterr()
+
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "not-the-password")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    assert main(["registry", "--params", str(path), "review"]) == EXIT_CONFIG
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("xbn registry: the MLflow server did not accept the account 'alice'")
+    as_account(monkeypatch, "reader")
+    assert main(["registry", "--params", str(path), "promote", "--version", str(second), "--reason", "r"]) == \
+        EXIT_CONFIG
+    err = capsys.readouterr().err.strip()
+    assert "the MLflow account 'xbn-serve' may not do that" in err and "needs EDIT" in err, err

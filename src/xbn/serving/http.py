@@ -398,6 +398,8 @@ def create_app(
         if rival.current is None and rival.absent:
             raise HTTPException(404, f"no challenger in the registry ({rival.source} is on no version)")
         sides = {"champion": holder.require(), "challenger": rival.require()}
+        if sides["challenger"].version == sides["champion"].version:  # an alias an EDIT account could not remove
+            raise HTTPException(404, "no challenger: the registry's challenger is the champion itself")
         query = await picture(image, max(loaded.model.decode_side for loaded in sides.values()))
         answer = {}
         for side, loaded in sides.items():
@@ -448,6 +450,7 @@ def create_app(
         if current is None:
             return JSONResponse({"status": "unavailable", "error": holder.error}, status_code=503)
         other = rival.current if rival is not None else None
+        other = None if other is not None and other.version == current.version else other
         return {
             "status": "ok",
             **_about(current),

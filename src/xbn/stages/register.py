@@ -313,7 +313,8 @@ def review(params: Params) -> str:
     rollback would restore): metrics with differences, hashes, dates and decision
     tags; then the newest entries of the champion's history."""
     registry = _registry(params)
-    champion, challenger = registry.by_alias(CHAMPION), registry.by_alias(CHALLENGER)
+    champion = registry.by_alias(CHAMPION)
+    challenger = registry.challenger(champion)
     history = read_history(registry)
     other_title = CHALLENGER
     if challenger is None and champion is not None:
@@ -337,7 +338,8 @@ def _write_report(params: Params, registry: Registry, info: ModelVersionInfo,
     report = {
         "model_name": info.name,
         "version": info.version,
-        "alias": ",".join(info.aliases) or None,
+        # A champion is nobody's challenger, even where the account could not remove that alias.
+        "alias": ",".join(a for a in info.aliases if not (a == CHALLENGER and CHAMPION in info.aliases)) or None,
         "decision": decision or info.tags.get("decision"),
         "reason": reason or info.tags.get("reason"),
         "decided_by": info.tags.get("decided_by"),
@@ -386,6 +388,14 @@ def _stamp(decision: str, reason: str, who: str) -> dict[str, str]:
 
 
 def _user(user: str | None) -> str:
+    """Who decides: the account authenticated to the MLflow server when there is one (MLFLOW_TRACKING_USERNAME;
+    a `--user` that names someone else is refused), else `--user`, else the login name."""
+    account = os.environ.get("MLFLOW_TRACKING_USERNAME")
+    if account:
+        if user and user != account:
+            raise RegistryError(f"--user {user} is not the account you are authenticated as ({account}): the "
+                                "decision is recorded as made by the authenticated account")
+        return account
     if user:
         return user
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import time
 from collections.abc import Mapping
@@ -41,6 +42,8 @@ from xbn.data.snapshot import DATA_FILES, DATA_RECORD
 from xbn.tracking.runs import DATA_ARTIFACTS, PipelineRun, configure, metric_key, metric_name
 
 METRIC_TAG_PREFIX = "metric."  # versions registered before: a version tag per metric (read, not written)
+log = logging.getLogger(__name__)
+
 GATE_TAG = "gate"  # the gate's comparison as JSON: a tag of the logged model (of the version, before)
 GATE_SETTINGS_TAG = "gate_settings"  # the registry.* settings the gate judged with, as JSON (logged model)
 _LOGGED_MODEL = re.compile(r"models:/(m-[0-9a-f]+)")
@@ -189,9 +192,24 @@ class Registry:
         self.client.set_registered_model_alias(self.name, alias, str(version))
 
     def remove_alias(self, alias: str) -> None:
+        """Remove `alias`; an account without MANAGE on the model (MLflow's auth app lets only MANAGE delete an
+        alias, and the pipeline's account has EDIT) leaves it, with a warning: readers take a challenger on the
+        champion's version for none (`challenger`)."""
         self.check_lock()
         if self.by_alias(alias) is not None:
-            self.client.delete_registered_model_alias(self.name, alias)
+            try:
+                self.client.delete_registered_model_alias(self.name, alias)
+            except MlflowException as exc:
+                if exc.error_code != "PERMISSION_DENIED":
+                    raise
+                log.warning("%s: this account may not delete the alias %r (it needs MANAGE): left in place",
+                            self.name, alias)
+
+    def challenger(self, champion: ModelVersionInfo | None) -> ModelVersionInfo | None:
+        """The `challenger` alias's version, unless it is the champion's (an alias left by an account that may
+        not delete it): a champion is nobody's challenger."""
+        found = self.by_alias("challenger")
+        return None if found is None or (champion is not None and found.version == champion.version) else found
 
     def checkpoint(self, version: ModelVersionInfo, dst_dir: str | Path) -> RegisteredCheckpoint:
         """Download `version`'s embedder checkpoint (its pyfunc's `checkpoint` artifact) into `dst_dir` and

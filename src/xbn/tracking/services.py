@@ -99,6 +99,30 @@ def wait_reachable(uri: str, wait_s: float, timeout: float = 5.0) -> None:
             delay = min(2 * delay, 15.0)
 
 
+# What an endpoint of MLflow's REST API needs under its basic-auth app (mlflow.server.auth): reads READ, writes
+# EDIT, deletes MANAGE; permissions are per experiment and per registered model.
+_NEEDED = (("delete", "MANAGE"), ("/get", "READ"), ("search", "READ"), ("list", "READ"), ("download", "READ"))
+
+
+def access_denied(exc: BaseException) -> str | None:
+    """One line for an MLflow 401/403 (an unknown or wrong account, a missing permission), naming the account
+    and the permission the request needed; None for any other error. Never a traceback for these: they are
+    the caller's settings, not a bug."""
+    from mlflow.exceptions import MlflowException
+
+    if not isinstance(exc, MlflowException) or exc.error_code not in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+        return None
+    account = os.environ.get("MLFLOW_TRACKING_USERNAME") or "(none: MLFLOW_TRACKING_USERNAME is not set)"
+    found = re.search(r"endpoint (\S+) failed", str(exc))
+    endpoint = found[1] if found else "an endpoint"
+    if exc.error_code == "UNAUTHENTICATED":
+        return (f"the MLflow server did not accept the account {account!r} at {endpoint}: set "
+                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to an account of that server")
+    needed = next((p for part, p in _NEEDED if part in endpoint), "EDIT")
+    return (f"the MLflow account {account!r} may not do that: {endpoint} needs {needed} permission on the "
+            "experiment or registered model; ask an MLflow admin to grant it (infra/README.md, accounts)")
+
+
 def health_request(uri: str) -> urllib.request.Request:
     """GET <server>/health with any `user:password@` of the URI taken out of the address (urllib would read it
     as part of the host name) and sent as HTTP basic auth instead, as MLflow's client does; without one,
