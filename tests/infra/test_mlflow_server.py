@@ -120,34 +120,62 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_tiny_pipeline_registers_a_champion_through_the_server(mlflow_server, client_env, tmp_path,
-                                                               glyph_root):
+@pytest.fixture(scope="module")
+def registered(mlflow_server, glyph_root, tmp_path_factory):
+    """The tiny pipeline (prepare -> validate -> train -> evaluate -> register -> index), once per server, as the
+    pipeline's account, in a folder of its own: what the other tests of the module find in the registry,
+    whatever order xdist runs them in (a module fixture is set up again when another module's tests come
+    between)."""
     import mlflow
-    from mlflow.tracking import MlflowClient
 
     from xbn.config import load_params
     from xbn.stages.evaluate import evaluate
+    from xbn.stages.index import index
     from xbn.stages.prepare import prepare
     from xbn.stages.register import register
     from xbn.stages.train import train
     from xbn.stages.validate import validate
 
-    params = load_params(ROOT / "params.yaml", [*TINY, f"data.root={glyph_root}", "tracking.enabled=true"])
-    prepare(params)
-    validate(params)
-    train(params, progress=False)
-    evaluate(params)
-    report = register(params)
-    assert report["version"] == 1 and report["decision"] == "promoted" and report["alias"] == "champion"
-    from xbn.stages.index import index
+    work = tmp_path_factory.mktemp("pipeline")
+    names = (*CLIENT_ENV, "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+    saved, cwd = {k: os.environ.get(k) for k in names}, os.getcwd()
+    for name in CLIENT_ENV:
+        os.environ.pop(name, None)
+    user, password = ACCOUNTS["pipeline"]
+    os.environ.update({"MLFLOW_TRACKING_URI": mlflow_server.url, "MLFLOW_TRACKING_USERNAME": user,
+                       "MLFLOW_TRACKING_PASSWORD": password})
+    os.chdir(work)
+    try:
+        params = load_params(ROOT / "params.yaml", [*TINY, f"data.root={glyph_root}", "tracking.enabled=true"])
+        prepare(params)
+        validate(params)
+        train(params, progress=False)
+        evaluate(params)
+        report = register(params)
+        indexed = index(params)  # the champion's index, for the serving account
+    finally:
+        while mlflow.active_run():
+            mlflow.end_run()
+        mlflow.set_tracking_uri(None)
+        os.chdir(cwd)
+        for name, value in saved.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+    return params, report, indexed, work
 
-    assert index(params)["version"] == 1  # the champion's index, for the serving account below
+
+def test_tiny_pipeline_registers_a_champion_through_the_server(mlflow_server, registered, client_env, tmp_path):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    params, report, indexed, work = registered
+    assert report["version"] == 1 and report["decision"] == "promoted" and report["alias"] == "champion"
+    assert indexed["version"] == 1
 
     # The registry, as the server reports it.
     client = MlflowClient(mlflow_server.url)
     champion = client.get_model_version_by_alias(MODEL_NAME, "champion")
     assert champion.version == "1"
-    local_sha = sha256(Path(params.train.checkpoint_dir) / "model.pt")
+    local_sha = sha256(work / params.train.checkpoint_dir / "model.pt")
     assert champion.tags["model_sha256"] == local_sha
     run = client.get_run(champion.run_id)
     assert run.data.metrics["recall_at_1"] == pytest.approx(report["metrics"]["recall@1"])
@@ -162,7 +190,7 @@ def test_tiny_pipeline_registers_a_champion_through_the_server(mlflow_server, cl
     assert local_sha in served, "the checkpoint was not served back"
     stored = {sha256(p) for p in mlflow_server.artifacts.rglob("*") if p.is_file()}
     assert local_sha in stored, "the checkpoint is not in the server's --artifacts-destination"
-    assert not (tmp_path / "mlartifacts").exists() and not (tmp_path / "mlruns").exists()
+    assert not (work / "mlartifacts").exists() and not (work / "mlruns").exists()
 
     # And the registry lives in PostgreSQL, the backend store.
     versions = admin_execute("SELECT name, version FROM model_versions", dbname=mlflow_server.database)
@@ -225,7 +253,7 @@ WRITES = [  # (method, endpoint, body): what a compromised process on the networ
 ]
 
 
-def test_each_account_may_do_what_its_role_allows_and_nothing_more(mlflow_server, client_env, capsys):
+def test_each_account_may_do_what_its_role_allows_and_nothing_more(mlflow_server, registered, client_env):
     """Issue 41: the status codes of the same requests for each account (the note gives the table)."""
     statuses = {role: {f"{m} {p}": call(mlflow_server, m, p, role, b) for m, p, b in WRITES}
                 for role in (None, "reader")}
@@ -249,7 +277,7 @@ def test_each_account_may_do_what_its_role_allows_and_nothing_more(mlflow_server
     assert call(mlflow_server, "GET", get, "admin", {"name": MODEL_NAME}) == 200
 
 
-def test_the_serving_account_serves_the_champion(mlflow_server, client_env, monkeypatch, tmp_path, glyph_root):
+def test_the_serving_account_serves_the_champion(mlflow_server, registered, client_env, monkeypatch, glyph_root):
     from serving.serving_support import running
 
     from xbn.config import load_params
@@ -265,8 +293,9 @@ def test_the_serving_account_serves_the_champion(mlflow_server, client_env, monk
         assert found.status_code == 200 and len(found.json()["results"]) == 3
 
 
-def test_a_reviewer_promotes_as_themselves_and_a_wrong_password_is_one_line(mlflow_server, client_env, monkeypatch,
-                                                                             tmp_path, capsys, glyph_root):
+def test_a_reviewer_promotes_as_themselves_and_a_wrong_password_is_one_line(mlflow_server, registered, client_env,
+                                                                             monkeypatch, tmp_path, capsys,
+                                                                             glyph_root):
     import yaml
     from mlflow.tracking import MlflowClient
 

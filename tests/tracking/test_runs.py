@@ -65,7 +65,8 @@ def test_a_pipeline_run_logs_params_metrics_and_artifacts(params):
     assert RUN_ID_FILE.read_text().strip() == run.run_id
     client = MlflowClient(params.tracking.uri)
     data = client.get_run(run.run_id).data
-    assert data.params["memory.method"] == "axbn" and data.params["model.embedding_dim"] == "8"
+    assert data.params["memory.method"] == params.memory.method and data.params["model.embedding_dim"] == "8"
+    assert data.params["loss_composition"] == params.loss_composition  # issue 45: what the loss is made of
     assert data.tags["data_hash"] == hashlib.md5(Path(params.data.manifest).read_bytes()).hexdigest()
     assert len(data.tags["params_hash"]) == 64 and data.tags["model_sha256"]
     assert scores["recall@1"] == 0.5 and data.metrics["recall_at_1"] == 0.5

@@ -169,13 +169,13 @@ def test_a_budget_under_four_classes_is_refused_naming_it():
 
 
 def test_max_batch_size_adds_the_batch_to_the_space_and_every_choice_is_valid(tmp_path):
-    path = params_with_space(tmp_path, {"memory.method": {"type": "categorical", "choices": ["none", "axbn"]}},
+    path = params_with_space(tmp_path, {"memory.method": {"type": "categorical", "choices": ["none", "xbn"]}},
                              max_batch_size=64)
     base = load_params(path)
     space = SearchSpace.from_config(base.tune, base.train.samples_per_class)
     assert space.dims["train.batch_size"].choices == [16, 32, 64]
     space.check(path, base)  # 16, 32 and 64 all divide by train.samples_per_class
-    sampled = space.sample(optuna.trial.FixedTrial({"memory.method": "axbn", "train.batch_size": 16}))
+    sampled = space.sample(optuna.trial.FixedTrial({"memory.method": "xbn", "train.batch_size": 16}))
     assert load_params(path, as_overrides(space.to_params(sampled, base))).train.batch_size == 16
     assert space.current(base) == {"memory.method": base.memory.method, "train.batch_size": 64}
     assert "train.batch_size" not in SearchSpace.from_config(load_params(ROOT / "params.yaml").tune).dims

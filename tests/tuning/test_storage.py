@@ -48,7 +48,7 @@ def test_a_named_study_refuses_params_it_was_not_run_with(tmp_path):
     # More trials or another pruner: the same study goes on. Another memory size: refused.
     same = load_params(ROOT / "params.yaml", [storage, "tune.study_name=s", "tune.trials=50", "tune.pruner=none"])
     open_study(same, resolve_storage(same.tune, 1), seed=0)
-    other = load_params(ROOT / "params.yaml", [storage, "tune.study_name=s", "memory.method=xbn"])
+    other = load_params(ROOT / "params.yaml", [storage, "tune.study_name=s", "memory.method=axbn"])
     with pytest.raises(ConfigError, match="study 's' .* was run with other params"):
         open_study(other, resolve_storage(other.tune, 1), seed=0)
 

@@ -166,13 +166,15 @@ class KalmanConfig(Section):
 
 
 class MemoryConfig(Section):
-    method: Literal[MEMORY_METHODS] = "axbn"
+    method: Literal[MEMORY_METHODS] = "xbn"
     # <= 1: a fraction of the training set; > 1: an absolute number of rows.
     size: float = Field(1.0, gt=0.0)
     # When the memory joins the loss: after the head warm-up (seed 000 Sec. 5.1: the warm-up is plain SupCon on
     # the minibatch), or after this many epochs (0: from the first step).
     start: Literal["after_warmup"] | int = Field("after_warmup", union_mode="left_to_right")
-    add_batch_loss: bool = False
+    # The minibatch loss added to the memory loss (issue 45): PML's memory detaches its rows, so without it a fresh
+    # in-batch pair gets gradient through its query side only; measured better than none at batch 64 with it.
+    add_batch_loss: bool = True
     # EMA (seed 000, App. C): estimate <- m * estimate + (1 - m) * batch; m = 0 is XBN, 0.1 the paper's best.
     ema_momentum: float = Field(0.1, ge=0.0, lt=1.0)
     kalman: KalmanConfig = KalmanConfig()
