@@ -46,7 +46,7 @@ class Server:
     log: Path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory) -> Iterator[Server]:
     """`mlflow server` with a fresh PostgreSQL database as its backend store, artifacts served from a local
     directory (s3://mlflow in compose), and compose's --allowed-hosts value from .env.example."""
@@ -120,12 +120,12 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def registered(mlflow_server, glyph_root, tmp_path_factory):
     """The tiny pipeline (prepare -> validate -> train -> evaluate -> register -> index), once per server, as the
     pipeline's account, in a folder of its own: what the other tests of the module find in the registry,
-    whatever order xdist runs them in (a module fixture is set up again when another module's tests come
-    between)."""
+    whatever order xdist runs them in. Session-scoped, as the server is: a module fixture is set up again each
+    time another module's tests come between (three servers and pipelines in one make test, 4 minutes)."""
     import mlflow
 
     from xbn.config import load_params
