@@ -90,3 +90,11 @@ def test_summary_says_what_the_stage_files_hold(tmp_path, monkeypatch):
     assert "v3 rejected: within noise (champion: v2)" in text
     assert "mlflow ui --backend-store-uri sqlite:///mlflow.db" in text
     assert "| registry | v3 rejected: within noise (champion: v2) |" in summary_markdown(params)
+
+
+def test_the_summary_artifact_names_the_tracking_server_without_its_password(tmp_path, monkeypatch):
+    # Issue 41: the retrain flow's summary is a Prefect artifact; the tracking URI was printed as given.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://xbn:p@ss/w0rd@mlflow.example.com")
+    text = summary_markdown(load_params(None, []))
+    assert "https://xbn:***@mlflow.example.com" in text and "w0rd" not in text

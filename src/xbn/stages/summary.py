@@ -14,6 +14,7 @@ from typing import Any
 from xbn.config import Params
 from xbn.config.record import read_record, stage_status
 from xbn.data.snapshot import current_record
+from xbn.utils.secrets import mask_secrets
 
 
 def _read(path: str | Path) -> dict[str, Any] | None:
@@ -89,7 +90,8 @@ def summary_rows(params: Params) -> list[tuple[str, str]]:
     rows.append(("files", ", ".join(f for f in files if Path(f).exists()) or "none yet"))
     if params.tracking.enabled:
         # xbn.tracking.tracking_uri's rule, without importing MLflow (seconds) for one line.
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or params.tracking.uri
+        # Masked: the summary is a Prefect artifact, readable by everyone who reads the flow runs (issue 41).
+        uri = mask_secrets(os.environ.get("MLFLOW_TRACKING_URI") or params.tracking.uri)
         browse = (f"mlflow ui --backend-store-uri {uri}" if not uri.startswith(("http://", "https://"))
                   else uri)
         rows.append(("runs", f"{browse}  (the retrieval grid is in the evaluate run's artifacts, "
