@@ -249,13 +249,11 @@ def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None
     check_versioning(params)  # no DVC project or remote for the data's snapshot: fail now, with the way out
     if not params.tracking.enabled:
         return _retrain(params, params_path, overrides, tune, force)
-    from xbn.tracking import tracking_uri
-    from xbn.tracking.locks import run_lock
+    from xbn.tracking.locks import pipeline_lock
 
     # One run per registered model at a time, whatever started it (a deployment run, `xbn retrain`, `xbn run`,
     # `xbn register`; across machines with tracking.lock_uri): a second one refuses to start (RunBusy).
-    t = params.tracking
-    with run_lock(tracking_uri(params), params.registry.model_name, "xbn retrain", t.run_wait_s, t.lock_uri):
+    with pipeline_lock(params, "xbn retrain"):
         return _retrain(params, params_path, overrides, tune, force)
 
 

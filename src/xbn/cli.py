@@ -274,11 +274,9 @@ RUN_LOCKED = {"run", "register"}
 def _run_lock(params: Params, command: str):
     if command not in RUN_LOCKED or not params.tracking.enabled:
         return contextlib.nullcontext()
-    from xbn.tracking import tracking_uri
-    from xbn.tracking.locks import run_lock
+    from xbn.tracking.locks import pipeline_lock
 
-    t = params.tracking
-    return run_lock(tracking_uri(params), params.registry.model_name, f"xbn {command}", t.run_wait_s, t.lock_uri)
+    return pipeline_lock(params, f"xbn {command}")
 
 
 def _summary(params: Params, args) -> str:

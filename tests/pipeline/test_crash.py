@@ -6,33 +6,18 @@ the notification arrives at a real HTTP receiver through Apprise."""
 from __future__ import annotations
 
 import contextlib
-import http.server
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 
 from tests_support import ROOT
 
 
-def test_a_flow_terminated_mid_run_is_reported_as_crashed(tmp_path):
-    received: list[dict] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - the http.server API
-            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+def test_a_flow_terminated_mid_run_is_reported_as_crashed(tmp_path, receiver):
+    url, received = receiver
     env = {**os.environ, "XBN_FAULT": "retrain.start:term", "PREFECT_HOME": str(tmp_path / "prefect"),
-           "XBN_NOTIFY_URLS": f"json://127.0.0.1:{server.server_address[1]}/", "PYTHONPATH": str(ROOT)}
+           "XBN_NOTIFY_URLS": url, "PYTHONPATH": str(ROOT)}
     env.pop("PREFECT_API_URL", None)  # Prefect's ephemeral server, in the subprocess
     log = tmp_path / "flow.log"
     # Its own session: the ephemeral Prefect server it starts outlives a terminated flow process (and would
@@ -45,7 +30,6 @@ def test_a_flow_terminated_mid_run_is_reported_as_crashed(tmp_path):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(flow.pid, signal.SIGKILL)
-        server.shutdown()
     text = log.read_text()
     assert "Running hook '_notify_crash' in response to entering state 'Crashed'" in text, text[-3000:]
     titles = [m["title"] for m in received]

@@ -3,35 +3,13 @@ notifier that fails never fails the caller."""
 
 from __future__ import annotations
 
-import http.server
-import json
 import logging
-import threading
 
 import pytest
 
 from tests_support import ROOT
 from xbn.config import ConfigError, load_params
 from xbn.stages.notify import notification_urls, notify
-
-
-@pytest.fixture
-def receiver():
-    received: list[dict] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - the http.server API
-            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"json://127.0.0.1:{server.server_address[1]}/", received
-    server.shutdown()
 
 
 def test_a_url_in_params_is_refused_naming_the_way_to_give_it():

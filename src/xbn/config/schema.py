@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 import types
 import typing
+import warnings
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -688,12 +688,12 @@ class Params(Section):
     def loss_composition(self) -> str:
         """What the training loss is made of, in words (the run's params and the model card name it): the memory
         loss alone is seed 000's XBN; the official XBM code always adds the minibatch loss (issue 45)."""
-        batch = "Intra-Batch MPN loss" if self.model.mpn.resolved(self.data.dataset).enabled else \
-            f"{self.loss.name} on the minibatch"
+        mpn = self.model.mpn.resolved(self.data.dataset).enabled
+        batch = "Intra-Batch MPN loss" if mpn else f"{self.loss.name} on the minibatch"
         if self.memory.method == "none":
             return batch
         memory = f"{self.loss.name} against the {self.memory.method} memory"
-        if self.model.mpn.resolved(self.data.dataset).enabled or self.memory.add_batch_loss:
+        if mpn or self.memory.add_batch_loss:
             return f"{memory} + {batch}"
         return f"{memory} only"
 

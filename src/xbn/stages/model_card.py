@@ -17,16 +17,16 @@ from xbn.tracking.services import mask_secrets
 
 # The params a reader of the model card wants first; the full set is in the run.
 KEY_PARAMS = ("data.dataset", "data.image_size", "model.backbone", "model.pretrained", "model.embedding_dim",
-              "memory.method", "memory.size", "memory.add_batch_loss", "loss.name", "loss.memvir.enabled", "train.epochs",
-              "train.warmup_epochs", "train.lr", "train.batch_size", "train.samples_per_class", "train.seed")
+              "memory.method", "memory.size", "memory.add_batch_loss", "loss.name", "loss.memvir.enabled",
+              "train.epochs", "train.warmup_epochs", "train.lr", "train.batch_size", "train.samples_per_class", "train.seed")
 GATE_INTERVAL_TAG = "gate_interval"  # the comparison in short: `+0.0120 [-0.0040, +0.0290] vs v2`
 # A version's tags are what a reviewer scans across versions in the MLflow UI's versions table, in the order
 # it lists them: `decision`, `decided_by`, the gate's result when compared (`val_recall_at_1`,
 # `gate_interval`), `data_hash`, `data_md5` (DVC), `parent_version` (a fine-tuning), `params_hash`, the
 # training's `dataset`, `memory_method` and `batch`,
-# `model_sha256`, `served_embedding`, `registration` (created -> done: an interrupted one is completed by the next
-# register), then `decided_at` and `reason`; `previous_champion` is added when the version replaces a champion. Everything else is in the model
-# card and on the logged model (`Registry.record`). The set is pinned by tests/tracking/test_registry.py.
+# `model_sha256`, `served_embedding`, `registration` (created -> done: an interrupted one is completed by the
+# next register), then `decided_at` and `reason`; `previous_champion` is added when the version replaces a
+# champion. Everything else is in the model card and on the logged model (`Registry.record`). The set is pinned by tests/tracking/test_registry.py.
 
 
 def review_table(params: Params, champion: ModelVersionInfo | None, other: ModelVersionInfo | None,

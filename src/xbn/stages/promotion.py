@@ -170,17 +170,18 @@ def decide(comparison: Comparison, cfg: RegistryConfig) -> Decision:
 def gate_settings(cfg: RegistryConfig) -> dict[str, Any]:
     """What decided a promotion besides the data: recorded with every version, shown on its card and in review
     (anyone who may start a run can override registry.*; the version says which gate it passed)."""
-    return {"split": cfg.gate_split, "primary_metric": cfg.primary_metric, "min_improvement": cfg.min_improvement,
-            "confidence": cfg.confidence, "tolerance": cfg.tolerance, "guarded_metrics": list(cfg.guarded_metrics),
-            "bootstrap_resamples": cfg.bootstrap_resamples}
+    return {"split": cfg.gate_split, "primary_metric": cfg.primary_metric,
+            "min_improvement": cfg.min_improvement, "confidence": cfg.confidence, "tolerance": cfg.tolerance,
+            "guarded_metrics": list(cfg.guarded_metrics), "bootstrap_resamples": cfg.bootstrap_resamples}
 
 
 def settings_line(settings: Mapping[str, Any] | None) -> str:
     if not settings:
         return "not recorded (registered before xbn recorded them)"
-    return (f"{settings['primary_metric']} on {settings['split']}, lower bound of the {settings['confidence'] * 100:g}% "
-            f"interval above {settings['min_improvement']:+g}; guarded {', '.join(settings['guarded_metrics']) or 'none'}"
-            f" within {settings['tolerance']:g}; {settings['bootstrap_resamples']} resamples")
+    s = settings
+    return (f"{s['primary_metric']} on {s['split']}, lower bound of the {s['confidence'] * 100:g}% interval above "
+            f"{s['min_improvement']:+g}; guarded {', '.join(s['guarded_metrics']) or 'none'} within "
+            f"{s['tolerance']:g}; {s['bootstrap_resamples']} resamples")
 
 
 FIRST_MODEL = Decision(True, "promoted", "first registered model: there is no champion to compare with")
@@ -290,7 +291,8 @@ def make_champion(registry: Registry, version: int, champion: ModelVersionInfo |
     last = history[-1] if history else None
     # The same move already logged and the alias not moved: a registration stopped between the two. Not twice.
     if last is None or (last.action, last.from_version, last.to_version) != (action, before, version):
-        append_history(registry, by=by, action=action, from_version=before, to_version=version, reason=reason)
+        append_history(registry, by=by, action=action, from_version=before, to_version=version, reason=reason,
+                       history=history)
         fault_point("promotion.after_history")
     if before is not None and before != version:
         registry.set_tags(version, {"previous_champion": before})

@@ -30,6 +30,7 @@ import getpass
 import json
 import logging
 import os
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,7 @@ from xbn.tracking.history import append_history, read_history
 from xbn.tracking.services import wait_reachable
 from xbn.tracking.registry import PARENT_TAG, SERVED_TAG, SHA_TAG, log_refiner
 from xbn.tracking.runs import DATA_MD5_TAG
-from xbn.utils.errors import RegistryError
+from xbn.utils.errors import IntegrityError, RegistryError
 from xbn.utils.faults import fault_point
 from xbn.utils.integrity import verify_sidecar
 from xbn.utils.io import write_json
@@ -162,10 +163,6 @@ def complete_interrupted(params: Params) -> list[dict]:
     """Every registration a killed run left unfinished (`registration: created`), completed oldest first. The
     retrain flow runs this before its plan: next week's run finishes last week's registration, whatever it then
     trains (a new training has another sha256, so its own register would never find the old one)."""
-    import tempfile
-
-    from xbn.utils.errors import IntegrityError
-
     registry = _registry(params, wait_s=params.tracking.outage_s)
     found = registry.client.search_model_versions(
         f"name = '{registry.name}' and tags.{REGISTRATION_TAG} = 'created'", order_by=["version_number ASC"])

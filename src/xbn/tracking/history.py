@@ -61,9 +61,11 @@ def read_history(registry: Registry) -> list[ChampionChange]:
 
 
 def append_history(registry: Registry, *, by: str, action: str, from_version: int | None, to_version: int,
-                   reason: str, undoes: int | None = None) -> ChampionChange:
-    """Add one entry after the last. The caller holds `registry.lock()`: the next seq is read, then written."""
-    history = read_history(registry)
+                   reason: str, undoes: int | None = None,
+                   history: list[ChampionChange] | None = None) -> ChampionChange:
+    """Add one entry after the last. The caller holds `registry.lock()`: the next seq is read, then written
+    (`history`: the log as the caller just read it, not read again)."""
+    history = read_history(registry) if history is None else history
     entry = ChampionChange(
         seq=(history[-1].seq + 1) if history else 1,
         at=datetime.now(timezone.utc).isoformat(timespec="seconds"), by=by, action=action,

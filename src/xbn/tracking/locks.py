@@ -87,7 +87,16 @@ def run_lock(uri: str, name: str, what: str, wait_s: float = 0.0, lock_uri: str 
             del _HELD_RUNS[label]
 
 
-def _lock(uri: str, label: str, name: str, timeout: float | None, lock_uri: str | None, suffix: str = ".registry.lock"):
+def pipeline_lock(params, what: str):
+    """`run_lock` for a run of `params` (its store, model, `tracking.run_wait_s` and `tracking.lock_uri`)."""
+    from xbn.tracking.runs import tracking_uri
+
+    t = params.tracking
+    return run_lock(tracking_uri(params), params.registry.model_name, what, t.run_wait_s, t.lock_uri)
+
+
+def _lock(uri: str, label: str, name: str, timeout: float | None, lock_uri: str | None,
+          suffix: str = ".registry.lock"):
     scheme = urlparse(uri).scheme.split("+")[0]
     if scheme in ("postgresql", "postgres"):
         return advisory_lock(uri, label, timeout)
