@@ -345,8 +345,10 @@ def main(argv: list[str]) -> int:
                                        **{d: DATASETS[d] for d in args.datasets}},
                      "backbone": "tf_efficientnet_lite0 (offline ImageNet weights), memory.size=1.0"},
         "data": dict(old.get("data", {})), "table": [],
-        "runs": [{"git_commit": old.get("machine", {}).get("git_commit"), **r} for r in old.get("runs", [])
-                 if "recall@1" in r],
+        # Each run names its commit and CPU: a --resume on another machine adds runs that do not pair with these
+        # (the same seed trains a different model on another CPU's kernels).
+        "runs": [{"git_commit": old.get("machine", {}).get("git_commit"), "cpu": old.get("machine", {}).get("cpu"),
+                  **r} for r in old.get("runs", []) if "recall@1" in r],
     }
     done = {(r["dataset"], r["method"], r["batch"], r["seed"]) for r in result["runs"]}
     scheduled = regime.scheduled(args.methods) if regime else args.methods
@@ -383,7 +385,8 @@ def main(argv: list[str]) -> int:
             for i, future in enumerate(futures.as_completed(pending), 1):
                 key = pending[future]
                 try:
-                    run = {**key, **future.result(), "git_commit": result["machine"]["git_commit"]}
+                    run = {**key, **future.result(), "git_commit": result["machine"]["git_commit"],
+                           "cpu": result["machine"]["cpu"]}
                 except Exception as exc:  # one failed configuration must not lose the others
                     run = {**key, "error": f"{type(exc).__name__}: {exc}"}
                 result["runs"] += with_variants(run, regime.derived if regime else {})

@@ -284,12 +284,13 @@ def pipeline_section(data: dict[str, Any]) -> str:
 
 def paired_difference(runs: list[dict[str, Any]], dataset: str, batch: int, method: str, baseline: str,
                       key: str = "recall@1") -> dict[str, Any] | None:
-    """Mean of method - baseline over the seeds both finished (same seed: same data order and head init), with
-    the 95% t interval of that mean; None with fewer than 2 paired seeds."""
+    """Mean of method - baseline over the seeds both finished on the same CPU (same seed: same data order and
+    head init; another CPU's kernels train another model), with the 95% t interval of that mean; None with fewer
+    than 2 paired seeds."""
     from scipy import stats
 
-    def by_seed(m: str) -> dict[int, float]:
-        return {r["seed"]: r[key] for r in runs if (r["dataset"], r["batch"], r["method"]) == (dataset, batch, m)
+    def by_seed(m: str) -> dict[tuple[int, str | None], float]:
+        return {(r["seed"], r.get("cpu")): r[key] for r in runs if (r["dataset"], r["batch"], r["method"]) == (dataset, batch, m)
                 and key in r}
 
     a, b = by_seed(method), by_seed(baseline)
