@@ -104,6 +104,13 @@ def complete_registrations(params: Params) -> list[dict]:
 
 
 @task(**TASK_OPTIONS)
+def registration_of(params: Params, version: int) -> dict:
+    from xbn.stages.register import registration
+
+    return registration(params, version)  # as it stands after the index stage completed a promotion
+
+
+@task(**TASK_OPTIONS)
 def check_champion_index(params: Params) -> dict | None:
     from xbn.stages.index import champion_index_problem
 
@@ -266,17 +273,15 @@ def _retrain(params: Params, params_path: str, overrides: list[str], tune: bool 
         from xbn.stages.notify import notify
 
         for done in complete_registrations(params):
+            if done["registration"] == "awaiting_index":  # promoted by the gate, killed before its index
+                _attach_index(params, params_path, overrides, done["version"])  # completes the promotion
+                done = registration_of(params, done["version"])
             line = (f"completed the interrupted registration of {done['model_name']} v{done['version']} "
-                    f"({done['decision']}: {done['reason']})")
+                    f"({done['decision']}: {done['reason']}; champion v{done['champion_version']})")
             logger.warning("registry: %s", line)
             notify(params, f"xbn: v{done['version']} registration completed", f"Flow run {flow_run.name}: {line}")
         if broken := check_champion_index(params):
-            if params.catalogue.source and params.catalogue.on_promotion:
-                from pipelines.catalogue import catalogue as catalogue_flow
-
-                catalogue_flow(params_path, overrides, version=broken["version"])
-            else:
-                index_champion(params, broken["version"])
+            _attach_index(params, params_path, overrides, broken["version"])
             line = f"champion v{broken['version']} {broken['problem']}: indexed again from its own checkpoint"
             logger.warning("registry: %s", line)
             notify(params, f"xbn: champion v{broken['version']} index repaired", f"Flow run {flow_run.name}: {line}")
@@ -327,6 +332,17 @@ def _retrain(params: Params, params_path: str, overrides: list[str], tune: bool 
         os.environ.pop(PARENT_RUN_ENV, None)
 
 
+def _attach_index(params: Params, params_path: str, overrides: list[str], version: int) -> None:
+    """Index registry version `version` from its own checkpoint (nothing is retrained), over the whole catalogue
+    when the champion serves one (the catalogue flow), else over the dataset's gallery."""
+    if params.catalogue.source and params.catalogue.on_promotion:
+        from pipelines.catalogue import catalogue as catalogue_flow
+
+        catalogue_flow(params_path, overrides, version=version)
+    else:
+        index_champion(params, version)
+
+
 def _train_to_registry(params: Params, tuned: dict, decision: dict, loaded_from: tuple[str, list[str]]) -> dict:
     """`loaded_from`: the params file and overrides `params` came from (the catalogue flow loads them again)."""
     from xbn.stages.summary import summary_markdown
@@ -349,6 +365,9 @@ def _train_to_registry(params: Params, tuned: dict, decision: dict, loaded_from:
         catalogue = {"version": registered["version"], **(full_catalogue["index"] or {})}  # None: up to date
     else:
         catalogue = index_catalogue(params)
+    if promoted:  # promote last: the index stage made it champion once its index was attached
+        registered = {**registration_of(params, registered["version"]),
+                      "already_registered": registered.get("already_registered")}
     markdown = summary_markdown(params) + f"\n\n**Plan:** {decision['reason']}"
     if decision["drift"]:
         markdown += f"\n\n**Drift:** {decision['drift']['line']} (`{params.drift.report}`)"
@@ -385,8 +404,12 @@ def _notify_decision(params: Params, registered: dict, metrics: dict, decision: 
     from xbn.stages.notify import notify
 
     version, verdict = registered["version"], registered["decision"]
-    title = (f"xbn: v{version} promoted to champion" if verdict == "promoted"
-             else f"xbn: v{version} held for review ({verdict})")
+    if verdict == "promoted" and registered.get("registration") == "awaiting_index":
+        title = f"xbn: v{version} promoted by the gate, not champion yet: its index is not attached"
+    elif verdict == "promoted":
+        title = f"xbn: v{version} promoted to champion"
+    else:
+        title = f"xbn: v{version} held for review ({verdict})"
     r1 = metrics.get("recall@1") if isinstance(metrics, dict) else None
     body = "\n".join([
         f"Flow run {flow_run.name}: {_link(flow_run.id)}",

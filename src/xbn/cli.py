@@ -54,6 +54,9 @@ def _stage_register(params: Params, args) -> dict:
 
     report = register(params)
     log.info("%s v%s %s: %s", report["model_name"], report["version"], report["decision"], report["reason"])
+    if report["registration"] == "awaiting_index":
+        log.info("%s v%s becomes champion once its index is attached (`xbn index`); until then v%s serves",
+                 report["model_name"], report["version"], report["champion_version"] or "-")
     return report
 
 
@@ -180,8 +183,10 @@ def _stage_tune(params: Params, args) -> dict:
 
 
 def _stage_index(params: Params, args) -> dict:
-    from xbn.stages.index import index
+    from xbn.stages.index import index, index_version
 
+    if getattr(args, "model_version", None) is not None:  # `xbn run`'s chain has no such option
+        return index_version(params, args.model_version)
     return index(params, append=args.append, shards=args.shards)
 
 
@@ -424,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--shards", nargs="+", default=None, metavar="FILE.parquet",
                        help="build an on-disk IVF index (index.type ivf_flat|ivf_pq) from `xbn embed` outputs, "
                             "for a catalogue larger than one machine's memory")
+    index.add_argument("--model-version", type=_positive_int, default=None, metavar="V",
+                       help="index with registry version V's own checkpoint instead of models/model.pt (a "
+                            "version to promote by hand, or a champion whose index was lost)")
     index.set_defaults(fn=_stage_index)
     # Which model serves: the registry's serve.alias (champion) unless a version or the local files are named.
     which = argparse.ArgumentParser(add_help=False)

@@ -21,6 +21,7 @@ import pytest
 from tests_support import ROOT, TINY
 
 from xbn.tracking.accounts import password_variable
+from xbn.tracking.registry import INDEX_SHA_TAG
 
 from .support import admin_execute, env_example, free_port, require_postgres, stop, wait_http
 
@@ -168,8 +169,10 @@ def test_tiny_pipeline_registers_a_champion_through_the_server(mlflow_server, re
     from mlflow.tracking import MlflowClient
 
     params, report, indexed, work = registered
-    assert report["version"] == 1 and report["decision"] == "promoted" and report["alias"] == "champion"
-    assert indexed["version"] == 1
+    # Promote last: the gate's promotion takes effect once the index is attached.
+    assert report["version"] == 1 and report["decision"] == "promoted" and report["alias"] == "challenger"
+    assert report["registration"] == "awaiting_index" and report["champion_version"] is None
+    assert indexed["version"] == 1 and indexed["champion"]
 
     # The registry, as the server reports it.
     client = MlflowClient(mlflow_server.url)
@@ -310,8 +313,13 @@ def test_a_reviewer_promotes_as_themselves_and_a_wrong_password_is_one_line(mlfl
     first = registry.get(1)
     second = registry.create(first.source, {"model_sha256": "f" * 64, "decision": "held"}).version
     user = as_account(monkeypatch, "reviewer")
-    code = main(["registry", "--params", str(path), "promote", "--version", str(second), "--reason",
-                 "checked by hand"])
+    promote = ["registry", "--params", str(path), "promote", "--version", str(second), "--reason", "checked by hand"]
+    assert main(promote) == 1  # no index attached: it could not serve, so it is refused before any write
+    assert f"xbn index --model-version {second}" in capsys.readouterr().err
+    as_account(monkeypatch, "pipeline")  # the same logged model as v1, so v1's index is its index
+    registry.set_tags(second, {INDEX_SHA_TAG: first.tags[INDEX_SHA_TAG]})
+    as_account(monkeypatch, "reviewer")
+    code = main(promote)
     assert code == 0, capsys.readouterr().err
     tags = MlflowClient(mlflow_server.url).get_model_version(MODEL_NAME, str(second)).tags
     assert tags["decided_by"] == user == "alice"  # the authenticated account, not $USER

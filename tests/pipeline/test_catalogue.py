@@ -105,6 +105,8 @@ def registered_project(tmp_path: Path, monkeypatch, source: str):
     champion (a tiny real model); returns the params."""
     from tracking.helpers import run_pipeline, write_manifest
 
+    from xbn.stages.index import index
+
     from xbn.config import load_params
     from xbn.tracking import PARENT_RUN_ENV
 
@@ -121,7 +123,8 @@ def registered_project(tmp_path: Path, monkeypatch, source: str):
     params["catalogue"]["source"] = source
     Path("params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     loaded = load_params("params.yaml", OVERRIDES)
-    assert run_pipeline(loaded, seed=0)["alias"] == "champion"
+    assert run_pipeline(loaded, seed=0)["registration"] == "awaiting_index"
+    assert index(loaded)["champion"]  # promote last: champion with its gallery's index, before any catalogue
     return loaded
 
 
@@ -242,7 +245,7 @@ def test_a_remote_parquet_catalogue_goes_live_on_disk_and_serving_follows_it(tmp
         return publish(current, planned)
 
     holder = Holder(model_source(params))
-    assert not holder.refresh()  # the champion has no index yet: nothing is served
+    assert holder.refresh() and holder.current.index.count == 2  # the champion serves its gallery's index
     assert run(4.0)["count"] == 40 and holder.refresh()
     assert holder.current.index.count == 40 and not holder.current.index.meta.get("ondisk")
     assert not holder.refresh()  # nothing new attached

@@ -65,10 +65,12 @@ def test_dvc_repro_end_to_end_then_noop(project, monkeypatch):
     assert metrics["recall@1"] == pytest.approx(
         recomputed_recall_at_1(load_params("params.yaml"), "test"), abs=1e-12)  # brute force, from model.pt
     decision = json.loads((path / "reports/registry.json").read_text())
-    assert decision["alias"] == "champion" and decision["decision"] == "promoted"  # the first model
+    # The first model: promoted by the gate, champion once the index stage attached its index (promote last).
+    assert decision["decision"] == "promoted" and decision["registration"] == "awaiting_index"
     assert json.loads((path / "reports/validation.json").read_text())["success"] is True
     index = json.loads((path / "metrics/index.json").read_text())  # flat: exact, so recall@10 is 1
     assert index["version"] == decision["version"] and index["recall@10"] == 1.0 and index["count"] > 0
+    assert index["champion"] is True
 
     again = run(["dvc", "repro"], path, env)
     assert "Running stage" not in again and "up to date" in again

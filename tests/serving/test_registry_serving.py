@@ -56,12 +56,15 @@ def test_search_and_the_endpoint_serve_the_champions_index_and_follow_a_promotio
         "xbn search: xbn-embedder has no version with alias 'champion': register one (`xbn register`, "
         "`xbn registry promote`), or pass --model-version N or --local")
 
-    assert run_pipeline(project, seed=0)["alias"] == "champion"  # v1: the first model is promoted
+    report = run_pipeline(project, seed=0)  # v1: the first model is promoted, champion once indexed
+    assert report["alias"] == "challenger" and report["registration"] == "awaiting_index"
     code, _, err = cli(capsys, "search", query)
+    assert code == 1 and "has no version with alias 'champion'" in err  # the champion is never without index
+    code, _, err = cli(capsys, "search", query, "--model-version", "1")
     assert code == 1 and "v1 has no catalogue index: run `xbn index`" in err  # registered, not indexed yet
 
     first = index(project)
-    assert first["version"] == 1 and first["count"] == 34 and first["recall@10"] == 1.0
+    assert first["version"] == 1 and first["count"] == 34 and first["recall@10"] == 1.0 and first["champion"]
     v1 = Registry(project).get(1)
     assert v1.tags[INDEX_RECALL_TAG] == "1.0000" and len(v1.tags[INDEX_SHA_TAG]) == 64
     assert json.loads(Path("metrics/index.json").read_text())["version"] == 1

@@ -429,6 +429,9 @@ class RegistryConfig(Section):
     bootstrap_seed: int = Field(0, ge=0)
     confidence: float = Field(0.95, gt=0.0, lt=1.0)
     report: str = "reports/registry.json"
+    # Promote last: a version becomes champion (by the gate, `promote` or `rollback`) only once its search index
+    # is attached and verified, so the champion always serves; false for a registry served without an index.
+    promote_with_index: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -136,7 +136,9 @@ def plan(params: Params, version: int | None = None) -> CataloguePlan:
                 rows.to_parquet(tmp, index=False)
         shards.append(Shard(number, len(rows), str(rows_file), str(folder / f"{stem}.parquet"), str(root)))
     recorded = info.tags.get(CATALOGUE_TAG, "")
-    up_to_date = recorded == f"{fingerprint}:{info.tags.get(INDEX_SHA_TAG, '')}"
+    # The tags say which index the version serves; the artifact store must still hold it (a lost index is rebuilt).
+    up_to_date = (recorded == f"{fingerprint}:{info.tags.get(INDEX_SHA_TAG, '')}"
+                  and _registry(params).index_problem(info) is None)
     result = CataloguePlan(info.version, sha, fingerprint, len(frame), str(output), shards, up_to_date)
     log.info("catalogue: %d image(s) in %d shard(s) of %d for %s v%d, %d to embed%s", len(frame), len(shards),
              cfg.shard_size, info.name, info.version, len(result.todo()),
@@ -230,6 +232,9 @@ def publish(params: Params, catalogue: CataloguePlan) -> dict[str, Any]:
     info = registry.get(catalogue.version)
     digest = file_digest(final / META_FILE)
     registry.log_index(info, final, recall, tags={CATALOGUE_TAG: f"{catalogue.fingerprint}:{digest}"})
+    from xbn.stages.register import complete_awaiting_index
+
+    complete_awaiting_index(params, info.version)  # promote last: champion now that its index is attached
     _link(output / INDEX_LINK, final)
     for old in (output / "indexes").iterdir():  # the previous catalogues' indexes (the registry keeps its copy)
         if old != final and not old.name.startswith("."):

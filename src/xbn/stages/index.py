@@ -17,6 +17,7 @@ from typing import Any
 from xbn.config import Params
 from xbn.serving.index import RECALL_K, index_source
 from xbn.serving.model import ServedModel, load_served_model
+from xbn.utils.faults import fault_point
 from xbn.utils.io import write_json
 from xbn.utils.runtime import resolve_device
 
@@ -75,9 +76,18 @@ def index(params: Params, append: bool = False, shards: list[str] | None = None,
     if version is not None:
         from xbn.tracking import Registry
 
+        from xbn.stages.register import complete_awaiting_index
+
         Registry(params).log_index(version, params.index.output, recall)
         report["version"] = version.version
         log.info("index attached to %s v%d", version.name, version.version)
+        fault_point("index.after_attach")
+        # Promote last: a version the gate promoted becomes champion now that it can serve.
+        if (completed := complete_awaiting_index(params, version.version)) is not None:
+            report["champion"] = completed["champion_version"] == version.version  # `xbn summary` reads it
+            log.info("%s v%d: %s", version.name, version.version,
+                     "champion now, with its index" if report["champion"] else
+                     f"not made champion: {completed['reason']}")
     write_json(params.index.metrics, report)
     log.info("index: %s, %d items, recall@%d %.4f -> %s", report["type"], report["count"], RECALL_K, recall,
              params.index.output)

@@ -140,43 +140,77 @@ def register(params: Params, tags: dict[str, str] | None = None) -> dict:
 # The version is created with `registration: created` (with its decision tags, in the same request) and tagged
 # `done` only after the rest; a register that finds its model created but not done completes it, step by step,
 # each step idempotent. Versions from before the tag count as done.
+# Promote last (with registry.promote_with_index): a version the gate promoted becomes champion only once its
+# index is attached and verified; until then it is the challenger, tagged `registration: awaiting_index`, and
+# the old champion serves. The `index` stage completes it (`complete_awaiting_index`); a run killed before that
+# is completed by the next one (`complete_interrupted`, after indexing it).
 REGISTRATION_TAG = "registration"
+AWAITING_INDEX = "awaiting_index"
 
 
 def _registered(params: Params, registry: Registry, existing: ModelVersionInfo, trained: Params,
-                locked: bool = False) -> dict:
+                locked: bool = False, write: bool = True) -> dict:
     """The report on a model already registered; an interrupted registration is completed first, never
-    skipped (`locked`: the caller holds the registry lock)."""
+    skipped (`locked`: the caller holds the registry lock; `write`: to `registry.report`)."""
     completed = False
     if existing.tags.get(REGISTRATION_TAG, "done") != "done":
         with contextlib.nullcontext() if locked else registry.lock():
             existing = registry.get(existing.version)  # another run may have completed it meanwhile
-            if existing.tags.get(REGISTRATION_TAG, "done") != "done":
-                log.warning("%s v%s: its registration was interrupted (%s=%s): completing it", registry.name,
-                            existing.version, REGISTRATION_TAG, existing.tags[REGISTRATION_TAG])
-                existing, completed = _complete(params, registry, existing, trained), True
-    report = _write_report(params, registry, existing, compared=None, already_registered=True)
+            state = existing.tags.get(REGISTRATION_TAG, "done")
+            if state != "done":
+                if state != AWAITING_INDEX:
+                    log.warning("%s v%s: its registration was interrupted (%s=%s): completing it",
+                                registry.name, existing.version, REGISTRATION_TAG, state)
+                existing = _complete(params, registry, existing, trained)
+                completed = existing.tags.get(REGISTRATION_TAG) == "done"
+    report = _write_report(params, registry, existing, compared=None, already_registered=True, write=write)
     return {**report, "completed": True} if completed else report
 
 
 def complete_interrupted(params: Params) -> list[dict]:
-    """Every registration a killed run left unfinished (`registration: created`), completed oldest first. The
-    retrain flow runs this before its plan: next week's run finishes last week's registration, whatever it then
-    trains (a new training has another sha256, so its own register would never find the old one)."""
+    """Every registration a killed run left unfinished (`registration: created` or `awaiting_index`), completed
+    oldest first, as far as it can be: a promotion still waiting for its index stays so (its report says
+    `registration: awaiting_index`; the caller indexes it, which completes it). The retrain flow runs this before
+    its plan: next week's run finishes last week's registration, whatever it then trains (a new training has
+    another sha256, so its own register would never find the old one)."""
     registry = _registry(params, wait_s=params.tracking.outage_s)
-    found = registry.client.search_model_versions(
-        f"name = '{registry.name}' and tags.{REGISTRATION_TAG} = 'created'", order_by=["version_number ASC"])
+    found = sorted((v for state in ("created", AWAITING_INDEX) for v in registry.client.search_model_versions(
+        f"name = '{registry.name}' and tags.{REGISTRATION_TAG} = '{state}'")), key=lambda v: int(v.version))
     reports = []
     for unfinished in found:
         info = registry.get(unfinished.version)
-        try:  # the card describes the params the model was trained with, as recorded in its checkpoint
-            with tempfile.TemporaryDirectory(prefix="xbn-complete-") as tmp:
-                trained, _ = trained_params(params, registry.checkpoint(info, tmp).path)
-        except IntegrityError as exc:
-            log.warning("%s v%s: %s; its card shows this run's params", registry.name, info.version, exc)
-            trained = params
-        reports.append(_registered(params, registry, info, trained))
+        reports.append(_registered(params, registry, info, _trained_of(params, registry, info)))
     return reports
+
+
+def complete_awaiting_index(params: Params, version: int) -> dict | None:
+    """Finish the registration of `version` if it was waiting for its index (the `index` stage calls this once
+    it has attached one): the gate's promotion takes effect now, `_complete` verifying the index first. None
+    when the version was not waiting."""
+    registry = Registry(params)
+    info = registry.get(version)
+    if info.tags.get(REGISTRATION_TAG) != AWAITING_INDEX:
+        return None
+    # registry.report stays register's own output (dvc.yaml: the index stage depends on it, never writes it)
+    return _registered(params, registry, info, _trained_of(params, registry, info), write=False)
+
+
+def registration(params: Params, version: int) -> dict:
+    """The registry's report on `version` as it stands now (what `register` wrote to `registry.report`, after
+    whatever completed it since), not written anywhere."""
+    registry = Registry(params)
+    return _write_report(params, registry, _version(registry, version), compared=None, write=False)
+
+
+def _trained_of(params: Params, registry: Registry, info: ModelVersionInfo) -> Params:
+    """The params `info`'s model was trained with, as recorded in its registered checkpoint (the card describes
+    them); this call's params if the checkpoint cannot be read back."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="xbn-complete-") as tmp:
+            return trained_params(params, registry.checkpoint(info, tmp).path)[0]
+    except IntegrityError as exc:
+        log.warning("%s v%s: %s; its card shows this run's params", registry.name, info.version, exc)
+        return params
 
 
 def _first_of(registry: Registry, created: ModelVersionInfo, sha: str) -> ModelVersionInfo:
@@ -205,12 +239,18 @@ def _complete(params: Params, registry: Registry, info: ModelVersionInfo, traine
                             info.tags.get("reason", ""), comparison)
         judged = comparison.champion_version if comparison else None
         champion = registry.get(judged) if judged is not None else None
-    current = registry.by_alias(CHAMPION)
+    current, awaiting = registry.by_alias(CHAMPION), None
     if current is None or current.version != info.version:
         registry.set_alias(CHALLENGER, info.version)
         if decision.promote and (current and current.version) == (champion and champion.version):
-            make_champion(registry, info.version, current, by=GATE, action="gate", reason=decision.reason)
-            fault_point("register.after_champion")
+            if params.registry.promote_with_index:
+                awaiting = registry.index_problem(info)
+            if awaiting is None:
+                make_champion(registry, info.version, current, by=GATE, action="gate", reason=decision.reason)
+                fault_point("register.after_champion")
+            else:  # promote last: the champion serves until this version's index is attached (`index`)
+                log.info("%s v%s: promoted by the gate; it becomes champion once its index is attached (it %s)",
+                         registry.name, info.version, awaiting)
         elif decision.promote:  # resumed after someone else moved the champion: the gate's verdict is stale
             decision = Decision(False, "held", (
                 f"its registration was interrupted and the champion is now v{current.version if current else '-'}"
@@ -225,8 +265,9 @@ def _complete(params: Params, registry: Registry, info: ModelVersionInfo, traine
                           resumed=True)
     registry.set_description(info.version, model_card(params, registry.get(info.version), champion, decision,
                                                       run, trained=trained))
-    registry.set_tags(info.version, {REGISTRATION_TAG: "done"})
+    registry.set_tags(info.version, {REGISTRATION_TAG: AWAITING_INDEX if awaiting else "done"})
     return registry.get(info.version)
+
 
 
 def promote(params: Params, version: int | str, reason: str, user: str | None = None) -> dict:
@@ -240,6 +281,7 @@ def promote(params: Params, version: int | str, reason: str, user: str | None = 
             return _write_report(params, registry, target, compared=None, decision="unchanged",
                                  reason=f"v{target.version} is already the champion; nothing changed")
         who = _user(user)
+        _require_index(params, registry, target)
         make_champion(registry, target.version, champion, by=who, action="promote", reason=reason)
         registry.set_tags(target.version, _stamp("promoted", reason, who))
     return _write_report(params, registry, registry.get(target.version), compared=champion)
@@ -255,6 +297,7 @@ def rollback(params: Params, reason: str, user: str | None = None) -> dict:
         champion = registry.by_alias(CHAMPION)
         reverted = rollback_target(read_history(registry), champion and champion.version, registry.name)
         previous, who = reverted.from_version, _user(user)
+        _require_index(params, registry, registry.get(previous))
         append_history(registry, by=who, action="rollback", from_version=champion.version, to_version=previous,
                        reason=reason, undoes=reverted.seq)
         registry.set_alias(CHAMPION, previous)
@@ -329,7 +372,7 @@ def review(params: Params) -> str:
 
 def _write_report(params: Params, registry: Registry, info: ModelVersionInfo,
                   compared: ModelVersionInfo | None, already_registered: bool = False,
-                  decision: str | None = None, reason: str | None = None) -> dict[str, Any]:
+                  decision: str | None = None, reason: str | None = None, write: bool = True) -> dict[str, Any]:
     champion = registry.by_alias(CHAMPION)
     previous = info.tags.get("previous_champion")
     report = {
@@ -354,8 +397,11 @@ def _write_report(params: Params, registry: Registry, info: ModelVersionInfo,
         "model_sha256": info.tags.get(SHA_TAG),
         "run_id": info.run_id,
         "already_registered": already_registered,
+        # awaiting_index: promoted by the gate, champion once its index is attached (promote last)
+        "registration": info.tags.get(REGISTRATION_TAG, "done"),
     }
-    write_json(params.registry.report, report)
+    if write:
+        write_json(params.registry.report, report)
     return report
 
 
@@ -416,6 +462,15 @@ def _require_reason(reason: str, user: str | None = None) -> None:
                             "in short, and link to the long version")
     if user is not None and (len(user) > MAX_USER or not user.strip()):
         raise RegistryError(f"--user must be a name of 1 to {MAX_USER} characters")
+
+
+def _require_index(params: Params, registry: Registry, target: ModelVersionInfo) -> None:
+    """A hand-made champion must serve too (registry.promote_with_index): refused, before any write, when its
+    index is missing or fails its sha256, naming the command that attaches one."""
+    if params.registry.promote_with_index and (problem := registry.index_problem(target)):
+        raise RegistryError(f"{registry.name} v{target.version} {problem}, so it could not serve as champion: "
+                            f"attach one first (`xbn index --model-version {target.version}`), or set "
+                            "registry.promote_with_index=false for a registry served without a search index")
 
 
 def _registry(params: Params, wait_s: float = 0.0) -> Registry:

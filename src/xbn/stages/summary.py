@@ -37,6 +37,7 @@ def summary_rows(params: Params) -> list[tuple[str, str]]:
     train = _read(Path(params.train.metrics_dir) / "train.json") if done("train") else None
     evaluation = _read(params.eval.output) if done("evaluate") else None
     registry = _read(params.registry.report) if params.tracking.enabled and done("register") else None
+    indexed = _read(params.index.metrics) if registry and done("index") else None
     rows: list[tuple[str, str]] = []
     for stage, info in ((record or {}).get("stages") or {}).items():
         if isinstance(info, dict) and info.get("status") != "done":
@@ -79,7 +80,11 @@ def summary_rows(params: Params) -> list[tuple[str, str]]:
 
     if registry:
         decision = f"v{registry.get('version')} {registry.get('decision')}: {registry.get('reason')}"
-        if registry.get("champion_version") is not None:
+        if registry.get("registration") == "awaiting_index":  # promote last: the index stage completes it
+            decision += (f" (champion once its index is attached; v{registry.get('champion_version')} serves)"
+                         if not (indexed and indexed.get("version") == registry.get("version")
+                                 and indexed.get("champion")) else " (champion: its index is attached)")
+        elif registry.get("champion_version") is not None:
             decision += f" (champion: v{registry['champion_version']})"
         rows.append(("registry", decision))
     elif params.tracking.enabled:

@@ -1,0 +1,102 @@
+"""Promote last (issue 40 item 1): a version becomes champion only once its index is attached and verified, so
+the champion always serves; until then the old champion serves and the new one is the challenger, tagged
+`registration: awaiting_index`. The kill is a real SIGKILL of an `xbn index` process at a named fault point."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from xbn.config import Params
+from xbn.stages.index import index, index_version
+from xbn.stages.register import complete_interrupted, promote, register, rollback
+from xbn.utils.errors import RegistryError
+
+from .helpers import run_pipeline
+from .test_interrupted_registration import next_model, state
+
+
+@pytest.fixture
+def served(params) -> Params:
+    """The shipped setting: promote_with_index true (the tracking tests' fixture turns it off)."""
+    return Params.model_validate({**params.model_dump(), "registry": {**params.registry.model_dump(),
+                                                                     "promote_with_index": True}})
+
+
+def test_the_gates_promotion_takes_effect_once_the_index_is_attached(served):
+    report = run_pipeline(served, seed=0, blind=True)  # the first model: promoted by the gate
+    assert report["decision"] == "promoted" and report["registration"] == "awaiting_index"
+    before = state(served)
+    assert before["champion"] is None and before["challenger"] == 1 and before["history"] == []
+    attached = index(served)
+    assert attached["version"] == 1 and attached["champion"] is True
+    after = state(served)
+    assert after["champion"] == 1 and after["challenger"] is None and after["history"] == [("gate", None, 1)]
+    assert after["versions"][1]["registration"] == "done" and after["descriptions"][1]
+
+    next_model(served, seed=1)  # a seeing model: promoted over the blind v1, but v1 serves until v2 is indexed
+    assert register(served)["registration"] == "awaiting_index"
+    assert state(served)["champion"] == 1
+    index(served)
+    after = state(served)
+    assert after["champion"] == 2 and after["history"] == [("gate", None, 1), ("gate", 1, 2)]
+    assert after["versions"][2]["previous_champion"] == "1" and after["versions"][2]["registration"] == "done"
+
+
+def test_a_rejected_version_is_done_at_once_and_an_index_does_not_promote_it(served):
+    run_pipeline(served, seed=0)
+    index(served)
+    report = run_pipeline(served, seed=3)  # as good as v1: rejected
+    assert report["decision"] == "rejected" and report["registration"] == "done"
+    assert "champion" not in index(served)  # attached to v2, which stays the challenger
+    assert state(served)["champion"] == 1 and state(served)["challenger"] == 2
+
+
+def test_a_person_cannot_promote_or_roll_back_to_a_version_that_could_not_serve(served):
+    run_pipeline(served, seed=0, blind=True)
+    index(served)
+    run_pipeline(served, seed=3, blind=True)  # v2: rejected, no index
+    with pytest.raises(RegistryError, match=r"v2 has no index attached.*xbn index --model-version 2"):
+        promote(served, 2, "I prefer it", user="alice")
+    assert state(served)["champion"] == 1 and len(state(served)["history"]) == 1  # refused before any write
+    index_version(served, 2)
+    promote(served, 2, "I prefer it", user="alice")
+    assert state(served)["champion"] == 2
+    rollback(served, "back", user="alice")  # v1 has its index: allowed
+    assert state(served)["champion"] == 1
+
+
+def test_killed_after_the_index_was_attached_the_next_run_completes_the_promotion(served, tmp_path):
+    run_pipeline(served, seed=0, blind=True)
+    index(served)
+    next_model(served, seed=1)
+    register(served)  # v2: awaiting its index
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(served.model_dump(mode="json"), sort_keys=False))
+    done = subprocess.run([sys.executable, "-m", "xbn.cli", "index", "--params", str(path), "-q"], cwd=tmp_path,
+                          env={**os.environ, "XBN_FAULT": "index.after_attach:kill"}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == -9, done.stderr[-3000:]
+    before = state(served)
+    assert before["champion"] == 1 and before["versions"][2]["registration"] == "awaiting_index"
+    next_model(served, seed=7)  # next week's training: another model on disk
+    reports = complete_interrupted(served)  # the index is there now: the promotion completes
+    assert [(r["version"], r["registration"], r["champion_version"]) for r in reports] == [(2, "done", 2)]
+    assert state(served)["history"] == [("gate", None, 1), ("gate", 1, 2)]
+
+
+def test_an_interrupted_promotion_without_its_index_stays_waiting_until_indexed(served):
+    run_pipeline(served, seed=0, blind=True)
+    index(served)
+    next_model(served, seed=1)
+    register(served)  # killed before its index, as far as the registry can tell
+    next_model(served, seed=7)
+    reports = complete_interrupted(served)
+    assert [(r["version"], r["registration"]) for r in reports] == [(2, "awaiting_index")]
+    assert state(served)["champion"] == 1  # the old champion serves meanwhile
+    index_version(served, 2)  # what the retrain flow does with it (its own checkpoint, not models/model.pt)
+    assert state(served)["champion"] == 2 and complete_interrupted(served) == []
