@@ -124,7 +124,35 @@ def test_minio_buckets_job():
     script_path = job["entrypoint"][-1]
     mount = next(v for v in job["volumes"] if v.split(":")[1] == script_path)
     script = (INFRA / mount.split(":")[0]).read_text()
-    assert 'buckets="${XBN_BUCKETS:-mlflow dvc}"' in script and "mc mb --ignore-existing" in script
+    assert "mc mb --ignore-existing" in script and 'mc version enable "xbn/$bucket"' in script  # versioned
+
+
+def test_one_storage_key_per_bucket_and_none_for_the_mlflow_bucket_outside_the_server():
+    """Issue 41 item 2: the MLflow server alone holds the mlflow bucket's key (artifacts are proxied); DVC's
+    key reaches bucket dvc only, without delete; both buckets versioned; no s3:* anywhere."""
+    script = (INFRA / "minio/create-buckets.sh").read_text()
+    assert "s3:*" not in script and "s3:*" not in COMPOSE_TEXT
+    grants = dict(re.findall(r'^grant (\w+) "\$\w+".*?\n\s*\'(\[[^\]]*\])\'', script, re.M | re.S))
+    assert set(grants) == {"mlflow", "dvc"}, grants
+    assert "s3:DeleteObject" in grants["mlflow"] and "s3:DeleteObject" not in grants["dvc"]
+    assert not any("Delete" in action for action in re.findall(r'"(s3:\w+)"', grants["dvc"]))
+    example = env_example()
+    assert example["S3_MLFLOW_ACCESS_KEY_ID"] != example["S3_DVC_ACCESS_KEY_ID"]
+    job = environment("minio-init")
+    assert {k for k in job if k.startswith("S3_")} == {
+        "S3_MLFLOW_ACCESS_KEY_ID", "S3_MLFLOW_SECRET_ACCESS_KEY", "S3_DVC_ACCESS_KEY_ID", "S3_DVC_SECRET_ACCESS_KEY"}
+
+    def key_of(service: str) -> str | None:
+        found = REFERENCE.fullmatch(environment(service).get("AWS_ACCESS_KEY_ID", ""))
+        return found.group(1) if found else None
+
+    assert key_of("mlflow") == "S3_MLFLOW_ACCESS_KEY_ID"
+    for service in set(SERVICES) - {"mlflow", "minio-init"}:
+        assert "S3_MLFLOW" not in str(SERVICES[service]), f"{service} holds the mlflow bucket's key"
+    for service in ("trainer", "prefect-worker"):
+        assert key_of(service) == "S3_DVC_ACCESS_KEY_ID", service
+        assert REFERENCE.fullmatch(environment(service)["AWS_SECRET_ACCESS_KEY"]).group(1) == \
+            "S3_DVC_SECRET_ACCESS_KEY"
 
 
 def test_mlflow_server():
