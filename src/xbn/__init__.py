@@ -1,4 +1,14 @@
-"""xbn: drift-corrected cross-batch memory for deep metric learning."""
+"""xbn: drift-corrected cross-batch memory for deep metric learning.
+
+The library, in a few names (imported on first use, so `import xbn` stays light):
+
+- `cross_batch_memory(loss, embedding_size, memory_size, method="xbn")`: pytorch-metric-learning's
+  `CrossBatchMemory` with its stored embeddings corrected for drift (XBN, AXBN, EMA), for your own loop;
+  `CrossBatchMemory` is the class behind it.
+- `load_params(path, overrides)`: params.yaml through the schema (every key checked, the error names it).
+- `train(params)`, `evaluate(params)`, `embed(params, input, output)`: the pipeline's stages, as `xbn train`,
+  `xbn evaluate` and `xbn embed` run them (files in, files out; each returns its report).
+"""
 
 from importlib import metadata
 
@@ -6,3 +16,22 @@ try:
     __version__ = metadata.version("xbn")  # pyproject.toml's, the one place it is written
 except metadata.PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "0+unknown"
+
+_EXPORTS = {
+    "cross_batch_memory": "xbn.training.criterion",
+    "CrossBatchMemory": "xbn.memory",
+    "load_params": "xbn.config",
+    "Params": "xbn.config",
+    "train": "xbn.stages.train",
+    "evaluate": "xbn.stages.evaluate",
+    "embed": "xbn.stages.serve",
+}
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'xbn' has no attribute {name!r}")

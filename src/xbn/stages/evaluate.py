@@ -21,6 +21,8 @@ def model_path(params: Params) -> Path:
 
 
 def evaluate(params: Params) -> dict:
+    """Score `models/model.pt` on `eval.split` (as `xbn evaluate`): recall@k, MAP@R, R-precision and NMI, and
+    the untrained model's for comparison; writes and returns `eval.output` (metrics/eval.json)."""
     path = model_path(params)
     if not path.exists():
         raise FileNotFoundError(f"no trained model at {path}: run `xbn train` first")

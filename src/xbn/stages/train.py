@@ -25,7 +25,11 @@ log = logging.getLogger(__name__)
 
 def train(params: Params, resume: bool = False, progress: bool = True, params_file: str = "params.yaml",
           on_epoch: EpochCallback | None = None, flow_run_id: str | None = None) -> dict:
-    """`flow_run_id`: the retrain flow run calling (recorded in the checkpoint; see `Trainer`)."""
+    """Train the embedder of `params` on `data.manifest` (as `xbn train`): writes `models/model.pt` (the best
+    epoch by validation R@1), `models/last.pt` and `metrics/train*.{json,csv}`, logs the run to MLflow when
+    `tracking.enabled`, and returns the training report (`metrics/train.json`'s content). `resume`: continue
+    from `models/last.pt`; `progress`: bars on stderr; `on_epoch`: called after each epoch with its metrics;
+    `flow_run_id`: the retrain flow run calling (recorded in the checkpoint; see `Trainer`)."""
     with distributed.process_group(resolve_device(params.train.device).type):
         check_ranks_agree(params, resume)
         if distributed.world_size() > 1 and distributed.is_main():

@@ -13,17 +13,22 @@ from torch import nn
 
 from xbn.utils import distributed
 from xbn.config import ConfigError, Params
+from xbn.config.schema import MemoryConfig
 from xbn.losses import build_loss, build_miner
 from xbn.losses.memvir import MemVir
 from xbn.losses.rho import RhoRegularizedMiner
 from xbn.memory import AdaptiveKalmanMoments, BatchMoments, CrossBatchMemory, EMAMoments, KalmanMoments
 
-__all__ = ["Criterion", "available_memory", "build_criterion", "build_moments",
-           "build_mpn_loss", "check_memory_fits", "memory_rows", "memory_start_iteration"]
+__all__ = ["Criterion", "available_memory", "build_criterion", "build_moments", "build_mpn_loss",
+           "check_memory_fits", "cross_batch_memory", "memory_rows", "memory_start_iteration", "moments_for"]
 
 
 def build_moments(params: Params) -> nn.Module | None:
-    mem, dim = params.memory, params.model.embedding_dim
+    """The moment estimator of `memory.method` (None for xbm: the stored rows are left as they were written)."""
+    return moments_for(params.memory, params.model.embedding_dim)
+
+
+def moments_for(mem: MemoryConfig, dim: int) -> nn.Module | None:
     if mem.method == "xbn":
         return BatchMoments()
     if mem.method == "axbn":
@@ -33,7 +38,28 @@ def build_moments(params: Params) -> nn.Module | None:
         return EMAMoments(dim, mem.ema_momentum)
     if mem.method == "axbn_auto":
         return AdaptiveKalmanMoments(dim, mem.innovation_momentum)
-    return None  # xbm: the stored rows are left as they were written
+    return None  # xbm
+
+
+def cross_batch_memory(loss: nn.Module, embedding_size: int, memory_size: int, method: str = "xbn",
+                       miner: nn.Module | None = None, **memory: object) -> CrossBatchMemory:
+    """A drop-in for pytorch-metric-learning's `CrossBatchMemory` whose stored embeddings follow the network's
+    drift: `method` is `memory.method` (xbn: rescaled to the batch's moments every step, seed 000 Eq. 6; axbn:
+    to a per-dimension Kalman estimate; ema; axbn_auto; xbm: PML's memory, rows as written). `memory`: any
+    other `memory.*` key of params.yaml, checked by the same schema (e.g. `kalman={"r": 0.1}`,
+    `ema_momentum=0.2`).
+
+        loss_fn = cross_batch_memory(losses.ContrastiveLoss(), embedding_size=128, memory_size=4096)
+        loss = loss_fn(embeddings, labels)  # as PML's: the batch is enqueued, then compared with the memory
+
+    Like PML's, the memory side is detached, so xbn's pipeline also adds the loss on the batch alone
+    (`memory.add_batch_loss`); do the same in your loop: `loss_fn(e, y) + inner_loss(e, y)`."""
+    try:
+        config = MemoryConfig.model_validate({**memory, "method": method})
+    except ValueError as exc:
+        raise ConfigError(f"memory: {exc}") from None
+    return CrossBatchMemory(loss, embedding_size, memory_size=memory_size, miner=miner,
+                            moments=moments_for(config, embedding_size))
 
 
 def memory_rows(size: float, num_train_images: int, batch_size: int) -> int:
