@@ -66,7 +66,7 @@ def _registry(params: Params, args):
     if args.action == "review":
         return registry.review(params)
     if args.action == "promote":
-        return registry.promote(params, args.version, args.reason, user=args.user)
+        return registry.promote(params, args.model_version, args.reason, user=args.user)
     return registry.rollback(params, args.reason, user=args.user)
 
 
@@ -110,7 +110,7 @@ def _data(params: Params, args) -> dict:
 
     if args.action == "snapshot":
         return snapshot_data(params)
-    return restore_data(params, args.to, version=args.version, run_id=args.run)
+    return restore_data(params, args.to, version=args.model_version, run_id=args.run)
 
 
 def _stage_prepare(params: Params, args) -> dict:
@@ -290,6 +290,16 @@ def _summary(params: Params, args) -> str:
     return summary_text(params)
 
 
+class _ModelVersion(argparse.Action):
+    """`--model-version V`, the one name for a registry version in every command; the old `--version V` of
+    `registry promote` and `data restore` still works, with a deprecation line (`xbn --version` is xbn's)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string == "--version":
+            print(f"{parser.prog}: --version V is deprecated: use --model-version V", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -372,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     actions = registry.add_subparsers(dest="action", required=True)
     actions.add_parser("review", help="champion vs challenger, side by side")
     promote = actions.add_parser("promote", help="make a version the champion")
-    promote.add_argument("--version", required=True, type=int)
+    promote.add_argument("--model-version", "--version", dest="model_version", required=True, type=_positive_int,
+                         action=_ModelVersion, metavar="V", help="the registry version to make champion")
     promote.add_argument("--reason", required=True)
     rollback = actions.add_parser("rollback", help="restore the previous champion")
     rollback.add_argument("--reason", required=True)
@@ -401,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     data_actions.add_parser("snapshot", help="track data.root with DVC and push it (what the retrain flow does)")
     restore = data_actions.add_parser("restore", help="bring back the images a version or a run trained on")
     source = restore.add_mutually_exclusive_group(required=True)
-    source.add_argument("--version", type=_positive_int, default=None, help="registry version")
+    source.add_argument("--model-version", "--version", dest="model_version", type=_positive_int, default=None,
+                        action=_ModelVersion, metavar="V", help="registry version")
     source.add_argument("--run", default=None, metavar="RUN_ID", help="MLflow run id")
     restore.add_argument("--to", required=True, metavar="DIR", help="a new or empty folder")
     data.set_defaults(fn=_data)

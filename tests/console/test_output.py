@@ -98,3 +98,18 @@ def test_the_summary_artifact_names_the_tracking_server_without_its_password(tmp
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://xbn:p@ss/w0rd@mlflow.example.com")
     text = summary_markdown(load_params(None, []))
     assert "https://xbn:***@mlflow.example.com" in text and "w0rd" not in text
+
+
+def test_one_name_for_a_model_version_and_the_old_one_still_works(capsys):
+    from xbn import __version__
+    from xbn.cli import build_parser
+
+    parser = build_parser()
+    new = parser.parse_args(["registry", "promote", "--model-version", "3", "--reason", "r"])
+    assert new.model_version == 3 and "deprecated" not in capsys.readouterr().err
+    old = parser.parse_args(["data", "restore", "--version", "2", "--to", "x"])
+    assert old.model_version == 2
+    assert "--version V is deprecated: use --model-version V" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"xbn {__version__}"

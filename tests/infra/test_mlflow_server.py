@@ -313,7 +313,7 @@ def test_a_reviewer_promotes_as_themselves_and_a_wrong_password_is_one_line(mlfl
     first = registry.get(1)
     second = registry.create(first.source, {"model_sha256": "f" * 64, "decision": "held"}).version
     user = as_account(monkeypatch, "reviewer")
-    promote = ["registry", "--params", str(path), "promote", "--version", str(second), "--reason", "checked by hand"]
+    promote = ["registry", "--params", str(path), "promote", "--model-version", str(second), "--reason", "checked by hand"]
     assert main(promote) == 1  # no index attached: it could not serve, so it is refused before any write
     assert f"xbn index --model-version {second}" in capsys.readouterr().err
     as_account(monkeypatch, "pipeline")  # the same logged model as v1, so v1's index is its index
@@ -323,7 +323,7 @@ def test_a_reviewer_promotes_as_themselves_and_a_wrong_password_is_one_line(mlfl
     assert code == 0, capsys.readouterr().err
     tags = MlflowClient(mlflow_server.url).get_model_version(MODEL_NAME, str(second)).tags
     assert tags["decided_by"] == user == "alice"  # the authenticated account, not $USER
-    assert main(["registry", "--params", str(path), "promote", "--version", "1", "--reason", "as me", "--user",
+    assert main(["registry", "--params", str(path), "promote", "--model-version", "1", "--reason", "as me", "--user",
                  "mallory"]) == 1  # a --user that is not the account is refused
     assert main(["registry", "--params", str(path), "rollback", "--reason", "back to v1"]) == 0
     capsys.readouterr()
@@ -335,7 +335,7 @@ def test_a_reviewer_promotes_as_themselves_and_a_wrong_password_is_one_line(mlfl
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert err.startswith("xbn registry: the MLflow server did not accept the account 'alice'")
     as_account(monkeypatch, "reader")
-    assert main(["registry", "--params", str(path), "promote", "--version", str(second), "--reason", "r"]) == \
+    assert main(["registry", "--params", str(path), "promote", "--model-version", str(second), "--reason", "r"]) == \
         EXIT_CONFIG
     err = capsys.readouterr().err.strip()
     assert "the MLflow account 'xbn-serve' may not do that" in err and "needs EDIT" in err, err

@@ -134,7 +134,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]  # nothing listens once it is closed
 
 
-@pytest.mark.parametrize("action", [["review"], ["rollback", "--reason", "x"], ["promote", "--version", "1",
+@pytest.mark.parametrize("action", [["review"], ["rollback", "--reason", "x"], ["promote", "--model-version", "1",
                                                                           "--reason", "x"]])
 def test_registry_commands_give_up_on_a_dead_store_within_seconds(params, action, capsys):
     uri = f"http://127.0.0.1:{_closed_port()}"

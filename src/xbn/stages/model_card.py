@@ -168,7 +168,7 @@ def data_lines(version: ModelVersionInfo) -> list[str]:
         lines = ["Images: no DVC snapshot was taken for this run (the retrain flow takes one)."]
     else:
         lines = [f"Images: DVC md5 `{md5}` (the `.dvc` record is in the run's `data/` artifacts). Restore them "
-                 f"from the DVC remote with `xbn data restore --version {version.version} --to <empty folder>`."]
+                 f"from the DVC remote with `xbn data restore --model-version {version.version} --to <empty folder>`."]
     if parent := version.tags.get("parent_version"):
         lines.append(f"Fine-tuned from {'v' + parent if parent.isdigit() else parent} (train.init).")
     return lines

@@ -314,7 +314,7 @@ def rollback_target(history: list[ChampionChange], champion: int | None, model_n
     if not live:
         raise RegistryError(f"nothing to roll back to: the champion history of {model_name} records no promotion "
                             f"still in effect (champion v{champion}); promote a version by hand with "
-                            f"`xbn registry promote --version N --reason ...`")
+                            f"`xbn registry promote --model-version N --reason ...`")
     last = live[-1]
     if last.to_version != champion:
         raise RegistryError(f"the champion alias of {model_name} points at v{champion} but its history's last "
@@ -323,5 +323,5 @@ def rollback_target(history: list[ChampionChange], champion: int | None, model_n
     if last.from_version is None:
         raise RegistryError(f"nothing to roll back to: v{champion} is the first champion of {model_name} "
                             f"(history #{last.seq}); promote another version by hand with "
-                            f"`xbn registry promote --version N --reason ...`")
+                            f"`xbn registry promote --model-version N --reason ...`")
     return last
