@@ -21,12 +21,15 @@ TINY = [
 
 def brute_force_recall_at_1(embeddings, labels) -> float:
     """Leave-one-out R@1 by cosine similarity, written out in full (no faiss, no chunking): does each item's
-    nearest other item share its label; items whose label occurs once have no answer and are left out."""
+    nearest other item share its label; items whose label occurs once have no answer and are left out.
+    The similarity is the one evaluation defines (xbn.evaluation.cpu_knn.rescore) on the model's float32
+    L2-normalized embeddings: their float64 dot product rounded to float32, ties to the lower index (argmax's
+    first). In float64 a tiny net's near-tie (6.7e-8 apart) resolved the other way: one query of 48."""
     import torch
 
-    x = torch.nn.functional.normalize(torch.as_tensor(embeddings, dtype=torch.float64), dim=1)
+    x = torch.as_tensor(embeddings, dtype=torch.float32).double()
     labels = torch.as_tensor(labels)
-    similarity = x @ x.T
+    similarity = (x @ x.T).float()
     similarity.fill_diagonal_(float("-inf"))
     same = labels[:, None] == labels[None, :]
     answerable = same.sum(1) > 1

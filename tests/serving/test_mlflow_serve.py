@@ -21,6 +21,7 @@ from tracking.helpers import run_pipeline, write_images, write_manifest
 
 from xbn.cli import main
 from xbn.config import Params
+from xbn.stages.index import index
 from xbn.serving.embed_job import read_embeddings
 from xbn.tracking import PARENT_RUN_ENV
 
@@ -55,7 +56,8 @@ def post_json(url: str, body: dict) -> tuple[int, dict]:
 
 
 def test_mlflow_models_serve_embeds_base64_images_as_xbn_embed(project, tmp_path):
-    report = run_pipeline(project, seed=0)  # v1, the champion `xbn embed` serves by default
+    report = run_pipeline(project, seed=0)  # v1, the champion `xbn embed` serves by default...
+    assert index(project)["champion"]  # ...once its index is attached (promote last)
     files = write_images(tmp_path / "queries")
 
     port, log = free_port(), tmp_path / "serve.log"

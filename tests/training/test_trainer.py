@@ -37,9 +37,10 @@ def test_train_writes_model_checkpoint_and_metrics(tiny_params):
     assert len(steps) - 1 == summary["iterations"]  # log_every=1
 
     metrics = evaluate(params)
+    recomputed = recomputed_recall_at_1(params, "test")
     assert {"recall@1", "recall@10", "map@r", "r_precision", "nmi"} - set(metrics) == {"recall@10"}  # k=[1,2,4]
     assert json.loads(Path("metrics/eval.json").read_text())["recall@1"] == metrics["recall@1"]
-    assert metrics["recall@1"] == pytest.approx(recomputed_recall_at_1(params, "test"), abs=1e-12)
+    assert metrics["recall@1"] == pytest.approx(recomputed, abs=1e-12)
     assert "untrained" in metrics
 
 
