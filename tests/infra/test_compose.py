@@ -191,6 +191,11 @@ def test_prefect_server_and_worker():
     assert re.fullmatch(r"postgresql\+asyncpg://prefect:\$\{PREFECT_DB_PASSWORD[^}]*\}@postgres:5432/prefect",
                         env["PREFECT_API_DATABASE_CONNECTION_URL"])
     assert SERVICES["prefect-server"]["command"][:3] == ["prefect", "server", "start"]
+    # The leases survive a restart (the live test restarts a server configured the same way).
+    from infra.test_prefect_server import LEASE_STORAGE
+
+    assert env["PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"] == LEASE_STORAGE
+    assert f"prefect-home:{env['PREFECT_HOME']}" in SERVICES["prefect-server"]["volumes"]
 
     worker = SERVICES["prefect-worker"]
     assert worker["build"]["dockerfile"] == "infra/Dockerfile"

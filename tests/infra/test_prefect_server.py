@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from .support import admin_execute, free_port, require_postgres, stop, tail, wai
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("prefect-server")]
 
 AUTH = "admin:s3cret-for-the-test"
+LEASE_STORAGE = "prefect.server.concurrency.lease_storage.filesystem"
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Stack:
     log: Path
     workdir: Path  # XBN_WORKDIR: the project folder the deployment runs in
     env: dict  # a client's environment: PREFECT_API_URL, auth, PREFECT_HOME, XBN_WORKDIR
+    restart: Callable[[], float]  # stop and start the server (same database, same PREFECT_HOME): seconds down
 
 
 def api(url: str, path: str, body: dict | None = None, auth: str | None = AUTH,
@@ -74,23 +76,39 @@ def prefect_stack(tmp_path_factory) -> Iterator[Stack]:
              "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
     server_env = {**base, "PREFECT_SERVER_API_AUTH_STRING": AUTH, "PREFECT_UI_ENABLED": "false",
                   "PREFECT_API_DATABASE_CONNECTION_URL":
-                      f"postgresql+asyncpg://postgres@127.0.0.1:5432/{database}"}
+                      f"postgresql+asyncpg://postgres@127.0.0.1:5432/{database}",
+                  # As compose: the deployment's concurrency leases on disk (PREFECT_HOME), so that a restarted
+                  # server still knows the running flow's lease (in memory, the run crashed: issue 40).
+                  "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": LEASE_STORAGE}
     admin_execute(f'CREATE DATABASE "{database}"')
     server = None
-    try:
-        with log.open("w") as out:
-            server = subprocess.Popen(
+
+    def start() -> subprocess.Popen:
+        with log.open("a") as out:
+            started = subprocess.Popen(
                 [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                  "--port", url.rsplit(":", 1)[1].split("/")[0]],
                 cwd=tmp, env=server_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_http(f"{url}/health", server, log, timeout=180)  # the probe needs no auth, as in compose
+        wait_http(f"{url}/health", started, log, timeout=180)  # the probe needs no auth, as in compose
+        return started
+
+    def restart() -> float:
+        """Stop the server (SIGTERM, as `docker restart` does) and start it again; the seconds it was down."""
+        nonlocal server
+        began = time.monotonic()
+        stop(server)
+        server = start()
+        return time.monotonic() - began
+
+    try:
+        server = start()
         worker_env = {**base, "PREFECT_API_URL": url, "PREFECT_API_AUTH_STRING": AUTH,
                       "XBN_WORKDIR": str(workdir)}
         done = subprocess.run(["bash", str(ROOT / "infra/prefect/worker.sh"), "--run-once"], cwd=tmp,
                               env=worker_env, capture_output=True, text=True, timeout=240)
         output = done.stdout + done.stderr
         assert done.returncode == 0, f"worker.sh failed:\n{output[-4000:]}\nserver log:\n{tail(log)}"
-        yield Stack(url, database, output, log, workdir, worker_env)
+        yield Stack(url, database, output, log, workdir, worker_env, restart)
     finally:
         if server is not None:
             stop(server)
@@ -232,9 +250,13 @@ def test_the_weekly_schedule_under_a_real_worker(prefect_stack, tmp_path):
                   "data.root=data/catalogue", "data.version=dvc", "tracking.enabled=true", f"tracking.uri={store}",
                   "train.finetune_epochs=1", "drift.sample=32", "drift.permutations=99"]
     receiver = NotificationReceiver()
+    faults = tmp_path / "faults"
+    faults.mkdir()
     env = {**prefect_stack.env, "MLFLOW_TRACKING_URI": store, "GX_ANALYTICS_ENABLED": "false",
            "PREFECT_WORKER_QUERY_SECONDS": "1",  # poll every second (default 10): less waiting here
-           "XBN_NOTIFY_URLS": receiver.url}
+           "XBN_NOTIFY_URLS": receiver.url,
+           # The first run waits after training until the server has been restarted (xbn.utils.faults).
+           "XBN_FAULT": "retrain.after_train:wait", "XBN_FAULT_DIR": str(faults)}
     _, deployments = api(url, "/deployments/filter", {})
     (deployment,) = deployments
     assert [(s["schedule"]["cron"], s["active"]) for s in deployment["schedules"]] == [("0 3 * * 1", True)]
@@ -283,14 +305,27 @@ def test_the_weekly_schedule_under_a_real_worker(prefect_stack, tmp_path):
         status, second = api(url, f"/deployments/{deployment['id']}/create_flow_run",
                              {"parameters": {"overrides": overrides}})
         assert status == 201
-        waiting = set()
+        waiting, down = set(), None
         while (state := flow_run(url, first)["state_type"]) == "RUNNING":
             other = flow_run(url, second["id"])
             assert other["state_type"] != "RUNNING", failed("two runs of the deployment ran at once")
             waiting.add(other["state_name"])
             assert worker.poll() is None and time.monotonic() < deadline, failed("the first run did not finish")
+            if down is None and (faults / "retrain.after_train.reached").exists():
+                # Issue 40: the server restarted under a running flow (its deployment slot leased): with the
+                # leases in memory the run's lease renewal failed and the run ended CRASHED.
+                down = prefect_stack.restart()
+                # The restarted server still holds the run's lease on the deployment's slot (renewed every 225 s:
+                # a crash would come that late, so the lease itself is checked). In memory it was gone here.
+                leases = Path(prefect_stack.env["PREFECT_HOME"]) / "concurrency_leases"
+                held = [path.read_text() for path in leases.glob("*.json") if path.name != "expirations.json"]
+                limit = deployment["global_concurrency_limit"]["id"]
+                assert any(limit in text for text in held), failed(f"no lease on {limit} after the restart: {held}")
+                (faults / "retrain.after_train.release").touch()
             time.sleep(0.5)
-        assert state == "COMPLETED", failed(f"the flow run ended {state}")
+        assert down is not None, failed("the run never reached the fault point retrain.after_train")
+        assert state == "COMPLETED", failed(f"the flow run ended {state} after a server restart")
+        timeline.append(("server restarted mid-run: seconds down", round(down, 1)))
         # The worker proposed the second run and the server held it back (not merely not yet polled).
         assert "AwaitingConcurrencySlot" in waiting, failed(f"the second run was only ever {waiting}")
         api(url, f"/flow_runs/{second['id']}", method="DELETE")  # done with it: no second training
@@ -351,7 +386,7 @@ def test_the_weekly_schedule_under_a_real_worker(prefect_stack, tmp_path):
     for where, version, expected in ((workdir, 1, v1_files), (workdir, 2, v2_files), (fresh, 1, v1_files)):
         target = tmp_path / f"restored-{where.name}-v{version}"
         done = subprocess.run([sys.executable, "-m", "xbn.cli", "data", "--params", str(workdir / "params.yaml"),
-                               f"--set=tracking.uri={store}", "restore", "--version", str(version), "--to",
+                               f"--set=tracking.uri={store}", "restore", "--model-version", str(version), "--to",
                                str(target)], cwd=where, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
         assert digests(target) == expected, f"v{version} restored in {where.name} differs"
