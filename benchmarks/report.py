@@ -518,6 +518,7 @@ def grid_section(data: dict[str, Any], title: str = "## 6. Memory methods over s
            f"{data.get('finished', '?')}), "
            f"{s['workers']} worker(s) x {s['threads']} torch thread(s); load average during the runs "
            + (f"{min(loads)} to {max(loads)}." if loads else "not recorded."), "",
+           *_cpus_line(data, done),
            f"Every run: the shipped params.yaml plus the method's override, memory.size = 1.0 (the training set), "
            "the schedule given per dataset below (head warm-up epochs + epochs, lr x0.33 at each step); the memory "
            "joins after the warm-up and turns over once an epoch. "
@@ -542,6 +543,18 @@ def grid_section(data: dict[str, Any], title: str = "## 6. Memory methods over s
     if png.exists():
         out += [f"![test R@1 vs batch size]({png.name})", ""]
     return "\n".join(out)
+
+
+def _cpus_line(data: dict[str, Any], done: list[dict[str, Any]]) -> list[str]:
+    """Which rows ran on which CPU, when a --resume added runs on another machine (the header names the last)."""
+    rows: dict[str, set[str]] = {}
+    for r in done:
+        rows.setdefault(r.get("cpu") or data["machine"].get("cpu") or "unknown", set()).add(f"{r['dataset']} batch {r['batch']}")
+    if len(rows) < 2:
+        return []
+    return ["Runs on more than one CPU; differences pair runs on the same CPU only (a seed trains another model on "
+            "another CPU's kernels): " + "; ".join(f"{cpu}: {', '.join(sorted(found))}" for cpu, found in
+                                                   rows.items()) + ".", ""]
 
 
 PROMISE_MARGIN = 0.02  # issue 13: the shipped default beats memory.method=none by this much test R@1
@@ -676,7 +689,7 @@ def main(argv: list[str] | None = None) -> Path:
         from benchmarks.grid import DEFAULT_BATCH
 
         parts.append(grid_section(data, "## 6c. The memory with the minibatch loss, against none (6b's protocol, "
-                                        "every arm re-run at one commit on one machine)"))
+                                        "each row's arms re-run together at one commit on one machine)"))
         parts.append("\n".join(["### The shipped default (issue 45)", "", *batch_loss_decision(data, DEFAULT_BATCH),
                                 ""]))
     for name in ("serving", "serving_quick", "serving_hostile"):  # after methods: section 8

@@ -77,3 +77,16 @@ def test_the_shipped_default_is_a_memory_with_the_batch_loss_only_where_it_is_no
     assert lines[-1].startswith("- **Shipped default by issue 45's rule: none**")
     assert all("not worse beyond the spread on every set: no" in line for line in lines[:-1])
     assert report.batch_loss_decision(_data({("none", 64): [0.7, 0.71]}), 64) == []  # no candidate measured
+
+
+def test_runs_on_another_cpu_are_named_and_never_paired_with_these():
+    data = _data(R1)
+    for r in data["runs"]:
+        r["cpu"] = "Intel(R) Xeon(R) Processor" if r["batch"] == 64 else "AMD EPYC"
+    text = report.grid_section(data, "## 6c")
+    assert "Runs on more than one CPU" in text and "AMD EPYC: omniglot64 batch 16, omniglot64 batch 32" in text
+    for r in data["runs"]:  # axbn's batch-16 runs moved to the other CPU: nothing left to pair them with
+        if (r["method"], r["batch"]) == ("axbn", 16):
+            r["cpu"] = "Intel(R) Xeon(R) Processor"
+    assert report.paired_difference(data["runs"], "omniglot64", 16, "axbn", "none") is None
+    assert report.paired_difference(data["runs"], "omniglot64", 32, "axbn", "none") is not None
