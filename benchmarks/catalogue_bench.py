@@ -2,7 +2,7 @@
 
 - `single_T`: the batch embedding job of `xbn embed` (`xbn.serving.embed_job`) in one process with T torch
   threads, the model loaded (data.num_workers 0: T threads in all);
-- `dask_K`: the flow's embedding step (`embed_shards` of pipelines/catalogue.py, through prefect-dask's
+- `dask_K`: the flow's embedding step (`embed_shards` of xbn/flows/catalogue.py, through prefect-dask's
   DaskTaskRunner) on a LocalCluster of K worker processes of 1 thread each, warm (each worker has loaded the
   registry version once, as it does for the first shard of a run).
 
@@ -104,7 +104,7 @@ def measure(settings: dict[str, Any]) -> dict[str, Any]:
     from prefect.testing.utilities import prefect_test_harness
     from prefect_dask import DaskTaskRunner
 
-    from pipelines.catalogue import embed_shards, for_workers
+    from xbn.flows.catalogue import embed_shards, for_workers
     from xbn.serving.embed_job import embed_rows_to_parquet
     from xbn.serving.sources import read_source
     from xbn.stages.catalogue import plan, worker_model

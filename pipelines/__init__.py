@@ -1,1 +1,2 @@
-"""Prefect flows over xbn's stages (the same functions `dvc repro` runs through the CLI)."""
+"""The deployment entrypoints (prefect.yaml: pipelines/retrain.py:retrain). The flows live in `xbn.flows`, so an
+installed xbn never adds a top-level package named `pipelines`; these files only re-export them."""

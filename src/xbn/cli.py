@@ -71,11 +71,11 @@ def _registry(params: Params, args):
 
 
 def _retrain(params: Params, args) -> str | None:
-    """The Prefect flow (pipelines/retrain.py), from any folder: once now, or serving the weekly schedule."""
+    """The Prefect flow (xbn/flows/retrain.py), from any folder: once now, or serving the weekly schedule."""
     from xbn.data.snapshot import check_versioning
 
     check_versioning(params)  # before Prefect starts its server: a missing DVC project fails in a second
-    from pipelines.retrain import DEFAULT_CRON, retrain
+    from xbn.flows.retrain import DEFAULT_CRON, retrain
 
     tune = True if args.tune else None
     if args.serve:
@@ -91,12 +91,12 @@ def _retrain(params: Params, args) -> str | None:
 
 
 def _catalogue(params: Params, args) -> dict:
-    """The Prefect flow (pipelines/catalogue.py): the catalogue embedded on a Dask cluster, indexed, attached."""
+    """The Prefect flow (xbn/flows/catalogue.py): the catalogue embedded on a Dask cluster, indexed, attached."""
     from xbn.stages.catalogue import check_source, target_version
 
     check_source(params)  # no catalogue, no registry or no champion: fail before Prefect starts
     target_version(params, args.model_version)
-    from pipelines.catalogue import catalogue
+    from xbn.flows.catalogue import catalogue
 
     report = catalogue(args.params, args.overrides, args.model_version, args.address)
     embedded = report.pop("embedded")

@@ -21,7 +21,7 @@ LAYERS = {
     "training": 3, "tracking": 3, "tuning": 3,
     "serving": 4,
     "stages": 5,
-    "cli": 6, "__main__": 6,
+    "cli": 6, "__main__": 6, "flows": 6,  # the Prefect flows: over the stages, called by the CLI
 }
 
 

@@ -77,7 +77,7 @@ def cluster(tmp_path_factory):
     for i in range(2):  # the flow's and the model's imports preloaded: the first shard does not wait on them
         start(f"worker{i}", "distributed.cli.dask_worker", address, "--host", "127.0.0.1", "--nthreads", "1",
               "--no-nanny", "--no-dashboard", "--name", f"worker{i}", "--local-directory", str(where),
-              "--preload", "pipelines.catalogue", "--preload", "xbn.serving.model")
+              "--preload", "xbn.flows.catalogue", "--preload", "xbn.serving.model")
 
     def workers() -> dict[int, str]:
         with Client(address, timeout=60) as client:
@@ -153,7 +153,7 @@ def kill_mid_shard(embeddings: Path, pids: dict, timeline: dict, stop: threading
 
 def test_a_worker_killed_mid_shard_costs_only_its_progress(cluster, prefect_harness, glyph_images, champion,
                                                            tmp_path):
-    from pipelines.catalogue import catalogue
+    from xbn.flows.catalogue import catalogue
     from xbn.cli import main
     from xbn.serving.embed_job import read_embeddings
     from xbn.serving.index import CatalogueIndex, unit_rows

@@ -23,7 +23,7 @@ def test_a_flow_terminated_mid_run_is_reported_as_crashed(tmp_path, receiver):
     # Its own session: the ephemeral Prefect server it starts outlives a terminated flow process (and would
     # hold a captured pipe open), so the whole group is stopped once the flow process has ended.
     with log.open("w") as out:
-        flow = subprocess.Popen([sys.executable, "-m", "pipelines.retrain", "--params", str(ROOT / "params.yaml")],
+        flow = subprocess.Popen([sys.executable, "-m", "xbn.flows.retrain", "--params", str(ROOT / "params.yaml")],
                                 cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         flow.wait(timeout=300)

@@ -24,7 +24,7 @@ def prefect_harness(tmp_path_factory):
 
 def test_retrain_flow_registers_then_gate_holds_back_a_challenger(prefect_harness, tmp_path, glyph_root,
                                                                   monkeypatch):
-    from pipelines.retrain import retrain
+    from xbn.flows.retrain import retrain
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
@@ -66,7 +66,7 @@ def test_the_flow_tunes_then_trains_with_the_best_trial_and_continues_the_study(
     import optuna
     from mlflow.tracking import MlflowClient
 
-    from pipelines.retrain import retrain
+    from xbn.flows.retrain import retrain
 
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -96,7 +96,7 @@ def test_the_flow_tunes_then_trains_with_the_best_trial_and_continues_the_study(
 def test_bad_data_fails_the_flow_without_retrying(prefect_harness, tmp_path, glyph_root, monkeypatch):
     import shutil
 
-    from pipelines.retrain import retrain
+    from xbn.flows.retrain import retrain
     from xbn.validation import ValidationFailed
 
     monkeypatch.chdir(tmp_path)
@@ -119,7 +119,7 @@ def test_a_retried_train_task_resumes_only_its_own_checkpoint(prefect_harness, t
     import torch
     from prefect import flow
 
-    from pipelines.retrain import train_model
+    from xbn.flows.retrain import train_model
     from xbn.config import load_params
     from xbn.stages.prepare import prepare
     from xbn.training.trainer import Trainer, params_hash

@@ -45,7 +45,7 @@ def test_nothing_configured_or_a_dead_receiver_is_logged_not_raised(monkeypatch,
 
 def test_a_run_that_overrides_the_gate_says_so():
     # Issue 41 item 4: registry.* overrides weaken the gate for one run; the decision's notification names them.
-    from pipelines.retrain import _gate_overrides
+    from xbn.flows.retrain import _gate_overrides
 
     path = ROOT / "params.yaml"
     assert _gate_overrides(load_params(path), str(path)) == []

@@ -48,7 +48,7 @@ def test_train_fails_fast_naming_the_unreachable_store(params_file, capsys, uri)
 
 
 def test_retrain_flow_checks_the_store_before_any_task(params_file):
-    from pipelines.retrain import retrain
+    from xbn.flows.retrain import retrain
 
     uri = f"http://127.0.0.1:{_free_port()}"
     params = params_file("tracking.enabled=true", f"tracking.uri={uri}")

@@ -21,7 +21,7 @@ def prefect_harness(tmp_path_factory):
 
 
 def test_tune_flow_runs_the_study_and_merges_the_best_values(prefect_harness, project, tmp_path):
-    from pipelines.tune import tune_flow
+    from xbn.flows.tune import tune_flow
 
     params = project("tune.trials=2", "tracking.enabled=false")
     params_file = tmp_path / "params.yaml"

@@ -567,7 +567,7 @@ class IndexConfig(Section):
 
 
 class CatalogueConfig(Section):
-    """`xbn catalogue` (pipelines/catalogue.py): the whole catalogue re-embedded on a Dask cluster with a registry
+    """`xbn catalogue` (xbn/flows/catalogue.py): the whole catalogue re-embedded on a Dask cluster with a registry
     version (the champion), indexed, and the index attached to that version."""
 
     # A folder of images, a manifest-format CSV or a parquet file with a `path` (and optional `label`) column;

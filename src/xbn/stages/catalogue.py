@@ -1,4 +1,4 @@
-"""Stage `catalogue` (`xbn catalogue`, the Prefect flow `xbn-catalogue` of pipelines/catalogue.py): the whole
+"""Stage `catalogue` (`xbn catalogue`, the Prefect flow `xbn-catalogue` of xbn/flows/catalogue.py): the whole
 catalogue embedded with one registry version (the champion by default), indexed, and the index attached to that
 version, so that serving the version serves the catalogue.
 
