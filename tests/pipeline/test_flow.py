@@ -182,3 +182,36 @@ def test_dataloader_workers_survive_inside_a_flow_run(prefect_harness, glyph_roo
         return load_all()
 
     assert embed_with_workers() == (24 * 4, [0, 0])
+
+
+def test_a_run_stopped_before_the_index_is_completed_by_the_next_without_training(prefect_harness, tmp_path,
+                                                                                 glyph_root, monkeypatch):
+    """Issue 40, promote last: the flow stops between register and index (a fault at retrain.after_register);
+    the version the gate promoted is not champion (nothing would serve it). The next scheduled run indexes it from
+    its own checkpoint, which completes the promotion before its plan, so it plans against champion v1."""
+    from xbn.config import load_params
+    from xbn.flows.retrain import retrain
+    from xbn.stages.serve import load
+    from xbn.tracking import Registry
+    from xbn.tracking.history import read_history
+    from xbn.utils.faults import FaultInjected
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    overrides = [*TINY, f"data.root={glyph_root}", "tracking.enabled=true"]
+    monkeypatch.setenv("XBN_FAULT", "retrain.after_register:raise")
+    with pytest.raises(FaultInjected):
+        retrain("params.yaml", overrides)
+    params = load_params("params.yaml", overrides)
+    registry = Registry(params)
+    assert registry.by_alias("champion") is None
+    assert registry.get(1).tags["registration"] == "awaiting_index"
+
+    monkeypatch.delenv("XBN_FAULT")
+    again = retrain("params.yaml", overrides)
+    # Unversioned data (no DVC here), so it then fine-tunes v1 rather than skip: the repair came first.
+    assert again["plan"]["champion"] == 1 and "fine-tuning champion v1" in again["plan"]["reason"]
+    assert registry.get(1).tags["registration"] == "done"
+    assert [(e.action, e.from_version, e.to_version) for e in read_history(registry)][0] == ("gate", None, 1)
+    assert registry.by_alias("champion") is not None and load(params).index.count > 0  # the champion serves

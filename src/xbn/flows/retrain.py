@@ -355,6 +355,7 @@ def _train_to_registry(params: Params, tuned: dict, decision: dict, loaded_from:
     registered = register_model(params, {"request_hash": decision["request_hash"]} if decision["request_hash"]
                                 else {}) if params.tracking.enabled else None
     promoted = bool(registered) and registered["decision"] == "promoted"
+    fault_point("retrain.after_register")  # promoted by the gate, not champion until its index is attached
     full_catalogue = None
     if promoted and params.catalogue.source and params.catalogue.on_promotion:
         # The new champion serves the whole catalogue, not the dataset's gallery: until the catalogue flow has
