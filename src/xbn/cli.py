@@ -22,6 +22,7 @@ from xbn.utils.errors import (
     ServiceUnavailableError,
     TrainingStalledError,
 )
+from xbn.stages.loop import ORDER as LOOP_ORDER
 from xbn.utils.allocator import fix_malloc_thresholds
 from xbn.utils.locks import LockLost, RunBusy
 from xbn.utils.logs import configure_logging
@@ -226,9 +227,10 @@ def _export(params: Params, args) -> dict:
 
 
 # `xbn run`'s chain, dvc.yaml's order (generate is part of prepare for the glyph set).
-CHAIN = (("prepare", _stage_prepare), ("validate", _stage_validate), ("train", _stage_train),
-         ("refine", _stage_refine), ("evaluate", _stage_evaluate), ("register", _stage_register),
-         ("index", _stage_index))
+_STAGE_FNS = {"prepare": _stage_prepare, "validate": _stage_validate, "train": _stage_train,
+              "refine": _stage_refine, "evaluate": _stage_evaluate, "register": _stage_register,
+              "index": _stage_index}
+CHAIN = tuple((name, _STAGE_FNS[name]) for name in LOOP_ORDER)  # the loop's order, shared with the retrain flow
 
 
 def _recorded(stage: str, fn, params: Params, args):
@@ -263,12 +265,25 @@ def _stage_run(params: Params, args) -> str:
             _recorded(name, fn, params, args)
         if name == args.until:
             break
+        if name == "prepare" and params.tracking.enabled:
+            _repair(params)  # as the retrain flow does, before "nothing changed"
         if name == "prepare" and not args.force:
             from xbn.stages.schedule import unchanged_since_champion
 
             if reason := unchanged_since_champion(params):  # the retrain flow's rule: same data and params
                 return f"xbn run: {reason} (--force trains anyway)"
     return _summary(params, args)
+
+
+def _repair(params: Params) -> None:
+    """What a killed run left behind (an unfinished registration, a champion without its index), repaired
+    without training before the plan (xbn.stages.loop), each said on stderr and notified."""
+    from xbn.stages.loop import repair
+    from xbn.stages.notify import notify
+
+    for repaired in repair(params):
+        print(f"xbn run: {repaired.line}", file=sys.stderr)
+        notify(params, repaired.title, f"xbn run: {repaired.line}")
 
 
 # The commands that change the registry as a pipeline run: one at a time per registered model, whatever started
@@ -548,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 result = args.fn(params, args)
     except tuple(kind for kinds, _ in exit_codes for kind in kinds) as exc:
-        print(f"xbn {args.command}: {exc}", file=sys.stderr)
+        said, prefix = str(exc), f"xbn {args.command}: "
+        print(said if said.startswith(prefix) else prefix + said, file=sys.stderr)  # RunBusy names its command
         return next(code for kinds, code in exit_codes if isinstance(exc, kinds))
     except Exception as exc:
         if "mlflow" in sys.modules:  # an MLflow 401/403: the account's settings, one line, exit 2

@@ -156,3 +156,23 @@ def test_a_champion_without_a_servable_index_is_found_and_indexed_from_its_own_c
     assert problem["version"] == 1 and ("lost its index" in problem["problem"] or "sha256" in problem["problem"])
     index_version(params, 1)
     assert champion_index_problem(params) is None
+
+
+def test_the_loops_repair_completes_a_killed_registration_whatever_trains_next(params, tmp_path):
+    """`xbn.stages.loop.repair`, which `xbn run` and the retrain flow call before they plan: v2's register was
+    killed after create, and the working folder already holds another model; the repair completes v2 (the
+    next register, of another sha256, would never find it) and says so once."""
+    from xbn.stages.loop import repair
+
+    run_pipeline(params, seed=0, blind=True)
+    next_model(params, seed=1)
+    killed_register(params, tmp_path, "register.after_create")
+    next_model(params, seed=2)  # what the next run trained meanwhile
+    assert Registry(params).get(2).tags["registration"] == "created"
+    repaired = repair(params)
+    # v2, promoted, is champion; these tests register without an index, so the repair attaches one too.
+    assert [r.title for r in repaired] == ["xbn: v2 registration completed", "xbn: champion v2 index repaired"]
+    assert "completed the interrupted registration of xbn-embedder v2" in repaired[0].line
+    after = state(params)
+    assert after["versions"][2]["registration"] == "done" and after["descriptions"][2]
+    assert repair(params) == []  # nothing left to repair

@@ -58,17 +58,65 @@ def test_a_second_run_on_the_same_model_refuses_to_start_and_says_why(params, tm
 
 
 def test_a_registry_lock_lost_with_its_connection_stops_the_holder_before_it_writes(params):
+    """Its connection ended, and another promotion took the lock meanwhile: the holder stops before it writes."""
+    from xbn.utils.locks import advisory_lock
+
     require_postgres()
     params.tracking.lock_uri = PG
     run_pipeline(params, seed=0)
     registry = Registry(params)
     with registry.lock() as held:
         registry.set_tags(1, {"note": "under the lock"})
-        with sa.create_engine(PG, isolation_level="AUTOCOMMIT").connect() as admin:  # the server drops it
-            backend = held._conn.execute(sa.text("SELECT pg_backend_pid()")).scalar()
-            admin.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": backend})
-        with pytest.raises(LockLost, match="lost with its database connection"):
+        _terminate(held)
+        with advisory_lock(PG, "xbn-registry:xbn-embedder", 0):  # another promotion, in between
+            pass
+        with pytest.raises(LockLost, match="another process held it meanwhile"):
             registry.set_tags(1, {"note": "unguarded"})
         with pytest.raises(LockLost):
             registry.set_alias("champion", 1)
     assert registry.get(1).tags["note"] == "under the lock"
+
+
+def _terminate(held) -> None:
+    """End the backend that holds `held`, as a PostgreSQL restart or a failover would."""
+    with sa.create_engine(PG, isolation_level="AUTOCOMMIT").connect() as admin:
+        backend = held._conn.execute(sa.text("SELECT pg_backend_pid()")).scalar()
+        admin.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": backend})
+
+
+def test_a_run_lock_lost_with_its_connection_is_taken_back_when_nobody_held_it_meanwhile(params):
+    """The run's lock dies with its connection; nobody took it: the next registry write takes it back (its
+    epoch did not move) and goes on, and a second run still cannot start."""
+    from xbn.tracking.locks import run_lock
+    from xbn.utils.locks import LockTimeout, advisory_lock
+
+    require_postgres()
+    params.tracking.lock_uri = PG
+    run_pipeline(params, seed=0)
+    registry = Registry(params)
+    with run_lock(params.tracking.uri, "xbn-embedder", "first", 0, PG) as held:
+        _terminate(held)
+        registry.set_tags(1, {"note": "after the restart"})  # checks the run lock first: taken back
+        assert held.regained == 1 and registry.get(1).tags["note"] == "after the restart"
+        with pytest.raises(LockTimeout):  # another process's run still cannot start
+            with advisory_lock(PG, "xbn-run:xbn-embedder", 0):
+                pass
+
+
+def test_a_run_lock_held_by_another_run_meanwhile_is_lost_for_good(params):
+    """The run's lock dies with its connection, and another run takes it and ends before the holder looks:
+    the epoch moved, so the holder stops before it writes, although the lock is free again."""
+    from xbn.tracking.locks import run_lock
+    from xbn.utils.locks import advisory_lock
+
+    require_postgres()
+    params.tracking.lock_uri = PG
+    run_pipeline(params, seed=0)
+    registry = Registry(params)
+    with run_lock(params.tracking.uri, "xbn-embedder", "first", 0, PG) as held:
+        _terminate(held)
+        with advisory_lock(PG, "xbn-run:xbn-embedder", 0):  # another run, in between
+            pass
+        with pytest.raises(LockLost, match="another process held it meanwhile"):
+            registry.set_tags(1, {"note": "unguarded"})
+    assert "note" not in registry.get(1).tags

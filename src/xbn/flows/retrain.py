@@ -205,15 +205,18 @@ def tune_study(params: Params) -> dict:
     return tune(params)  # a retry continues the same persistent study
 
 
-def _notify_failure(flow, run, state) -> None:
+# Hook arguments by these names: Prefect's runner (the worker) calls on_crashed with keywords (flow=, flow_run=,
+# state=) after the flow's process died, and a hook with other names failed with a TypeError, telling nobody.
+def _notify_failure(flow, flow_run, state) -> None:  # noqa: ARG001 - Prefect's hook signature
     """The flow's on_failure hook: runs once the flow has failed, after every task's retries."""
-    _notify_end(run, state, "FAILED", "failed after its retries")
+    _notify_end(flow_run, state, "FAILED", "failed after its retries")
 
 
-def _notify_crash(flow, run, state) -> None:
-    """The flow's on_crashed hook: the process was killed, or Prefect lost it (a server restart that dropped its
-    concurrency lease). A crashed run is not retried, so a person must hear of it as of a failure."""
-    _notify_end(run, state, "CRASHED", "crashed (killed, or lost by the Prefect server); it is not retried")
+def _notify_crash(flow, flow_run, state) -> None:  # noqa: ARG001 - Prefect's hook signature
+    """The flow's on_crashed hook: the process was killed (then the worker runs this hook), or Prefect lost it
+    (a server restart that dropped its concurrency lease). A crashed run is not retried, so a person must hear of
+    it as of a failure."""
+    _notify_end(flow_run, state, "CRASHED", "crashed (killed, or lost by the Prefect server); it is not retried")
 
 
 def _notify_end(run, state, word: str, what: str) -> None:
@@ -269,22 +272,17 @@ def _retrain(params: Params, params_path: str, overrides: list[str], tune: bool 
     prepare_data(params)
     data = snapshot_data(params)
     if params.tracking.enabled:
-        # Before "nothing changed": what a killed or failed run left behind is repaired first, without training.
+        # Before "nothing changed": what a killed or failed run left behind is repaired first, without training
+        # (xbn.stages.loop, shared with `xbn run`; here each step is a task, retried).
+        from xbn.stages.loop import RepairSteps, repair
         from xbn.stages.notify import notify
 
-        for done in complete_registrations(params):
-            if done["registration"] == "awaiting_index":  # promoted by the gate, killed before its index
-                _attach_index(params, params_path, overrides, done["version"])  # completes the promotion
-                done = registration_of(params, done["version"])
-            line = (f"completed the interrupted registration of {done['model_name']} v{done['version']} "
-                    f"({done['decision']}: {done['reason']}; champion v{done['champion_version']})")
-            logger.warning("registry: %s", line)
-            notify(params, f"xbn: v{done['version']} registration completed", f"Flow run {flow_run.name}: {line}")
-        if broken := check_champion_index(params):
-            _attach_index(params, params_path, overrides, broken["version"])
-            line = f"champion v{broken['version']} {broken['problem']}: indexed again from its own checkpoint"
-            logger.warning("registry: %s", line)
-            notify(params, f"xbn: champion v{broken['version']} index repaired", f"Flow run {flow_run.name}: {line}")
+        steps = RepairSteps(complete=complete_registrations, registration=registration_of,
+                            check_index=check_champion_index,
+                            attach_index=lambda p, version: _attach_index(p, params_path, overrides, version))
+        for repaired in repair(params, steps):
+            logger.warning("registry: %s", repaired.line)
+            notify(params, repaired.title, f"Flow run {flow_run.name}: {repaired.line}")
         decision = plan_retraining(params, data, force)
     else:  # no registry, no champion to compare with or start from
         decision = {"retrain": True, "init": "pretrained", "reason": "tracking disabled: training from "

@@ -82,6 +82,7 @@ def register(params: Params, tags: dict[str, str] | None = None) -> dict:
     nothing is created or changed, unless its registration was interrupted: then it is completed (see
     `REGISTRATION_TAG`).
     """
+    fault_point("register.start")
     cfg = params.registry
     checkpoint = Path(params.train.checkpoint_dir) / "model.pt"
     results_file = Path(params.eval.output)

@@ -13,9 +13,10 @@ The lock lives where the store is:
 
 `run_lock` is the same kind of lock around a whole pipeline execution (the retrain flow, `xbn retrain`,
 `xbn run`, `xbn register`), so that two runs on one registered model never interleave, whatever started them;
-re-entered by the same process (`xbn run` registering), it is a no-op. A held lock is checked (`Held.check`)
-before each registry write: an advisory lock dies with its connection when PostgreSQL restarts, and its holder
-must stop rather than write unguarded.
+re-entered by the same process (`xbn run` registering), it is a no-op. Both locks are checked (`Held.check`)
+before each registry write: an advisory lock dies with its connection when PostgreSQL restarts; it is taken
+back if nobody held it meanwhile (its epoch, a fencing token, did not move), else its holder stops rather than
+write unguarded.
 """
 
 from __future__ import annotations
@@ -85,6 +86,11 @@ def run_lock(uri: str, name: str, what: str, wait_s: float = 0.0, lock_uri: str 
             yield hold
         finally:
             del _HELD_RUNS[label]
+
+
+def held_run_locks() -> tuple[Held, ...]:
+    """The run locks this process holds (the registry checks them before each write)."""
+    return tuple(_HELD_RUNS.values())
 
 
 def pipeline_lock(params, what: str):

@@ -99,6 +99,27 @@ def log_refiner(run: PipelineRun, path: str) -> None:
     MlflowClient(run.tracking_uri).log_artifact(run.run_id, str(path), "refiner")
 
 
+# What a lost answer looks like to MLflow's REST client (no answer at all: INTERNAL_ERROR "API request ... failed
+# with exception"; a proxy's 502/503/504), as opposed to the server's own refusal of the request.
+_LOST_ANSWER = ("INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "BAD_GATEWAY", "SERVICE_UNDER_MAINTENANCE")
+
+
+@contextlib.contextmanager
+def _requests_sent_once():
+    """MLflow's REST client without its retries (read per request from MLFLOW_HTTP_REQUEST_MAX_RETRIES)."""
+    import os
+
+    saved = os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("MLFLOW_HTTP_REQUEST_MAX_RETRIES", None)
+        else:
+            os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = saved
+
+
 class Registry:
     """The versions of registered model `params.registry.model_name` in the tracking store of `params`."""
 
@@ -107,6 +128,7 @@ class Registry:
         self.client = MlflowClient(self.uri)
         self.name = params.registry.model_name
         self.lock_uri = params.tracking.lock_uri
+        self.outage_s = params.tracking.outage_s
         self._held = None  # the registry lock, while `lock()` holds it
 
     @contextlib.contextmanager
@@ -122,9 +144,13 @@ class Registry:
                 self._held = None
 
     def check_lock(self) -> None:
-        """Raise `LockLost` if the registry lock this object holds (inside `lock()`) is gone."""
-        if self._held is not None:
-            self._held.check()
+        """Raise `LockLost` if the registry lock this object holds (inside `lock()`), or the run lock this process
+        holds (`xbn.tracking.locks.run_lock`), is gone: a run whose lock died with its database connection, and
+        could not be taken back, stops before it writes."""
+        from xbn.tracking.locks import held_run_locks
+
+        for held in (*held_run_locks(), *([self._held] if self._held is not None else [])):
+            held.check()
 
     def by_alias(self, alias: str) -> ModelVersionInfo | None:
         try:
@@ -178,9 +204,27 @@ class Registry:
             self.client.set_logged_model_tags(model_id, written)
 
     def create(self, model_uri: str, tags: Mapping[str, str]) -> ModelVersionInfo:
-        """Register `model_uri` (a logged model) as the next version, with tags."""
+        """Register `model_uri` (a logged model) as the next version, with tags; at most once per model sha256
+        (`tags[SHA_TAG]`). MLflow's client retries a POST whose response was lost, which registered the model
+        twice; here the request is sent once, and if its answer is lost (a dropped connection, a 5xx) the model
+        is looked up by its sha256 before it is asked for again."""
         self.check_lock()
-        version = mlflow.register_model(model_uri, self.name, tags=dict(tags))
+        sha = tags.get(SHA_TAG)
+        try:
+            with _requests_sent_once() if sha else contextlib.nullcontext():
+                version = mlflow.register_model(model_uri, self.name, tags=dict(tags))
+        except MlflowException as exc:
+            if not sha or exc.error_code not in _LOST_ANSWER:
+                raise
+            from xbn.tracking.services import wait_reachable
+
+            log.warning("%s: the answer to registering %s was lost (%s): looking it up before asking again",
+                        self.name, model_uri, str(exc)[:300])
+            wait_reachable(self.uri, self.outage_s)
+            if (found := self.find_by_tag(SHA_TAG, sha)) is not None:
+                return found  # the server registered it: the answer only was lost
+            self.check_lock()
+            version = mlflow.register_model(model_uri, self.name, tags=dict(tags))
         return self.get(version.version)
 
     def set_description(self, version: int, text: str) -> None:

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 from filelock import FileLock
+
+log = logging.getLogger(__name__)
 
 
 class LockTimeout(TimeoutError):
@@ -27,11 +30,15 @@ class LockLost(RuntimeError):
 
 class Held:
     """A held lock; `check()` raises `LockLost` when it no longer is. A file lock (flock) lives as long as the
-    process, so its check passes; an advisory lock lives as long as its connection, so the check asks the
-    server whether this session still holds it."""
+    process, so its check passes. An advisory lock lives as long as its connection: a PostgreSQL restart or a
+    failover ends it. The check then takes it back, if the lock is free and nobody held it meanwhile: each
+    acquisition bumps the label's epoch (a fencing token, in the table `xbn_lock_epochs`), so an epoch that
+    moved means another holder ran in between, and the lock counts as lost."""
 
-    def __init__(self, label: str, conn=None, key: int | None = None) -> None:
-        self.label, self._conn, self._key = label, conn, key
+    def __init__(self, label: str, conn=None, key: int | None = None, engine=None,
+                 epoch: int | None = None) -> None:
+        self.label, self._conn, self._key, self._engine, self.epoch = label, conn, key, engine, epoch
+        self.regained = 0  # how often the lock was taken back after its connection died
 
     def check(self) -> None:
         if self._conn is None:
@@ -43,11 +50,74 @@ class Held:
                 "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid() "
                 "AND ((classid::bigint << 32) | objid::bigint) = :k"), {"k": self._key}).scalar()
         except sa.exc.SQLAlchemyError as exc:
-            raise LockLost(f"the lock {self.label!r} was lost with its database connection "
-                           f"({type(exc).__name__}): stopping before any further write") from None
+            self._regain(f"{type(exc).__name__}")
+            return
         if not held:
             raise LockLost(f"the lock {self.label!r} is no longer held by this process: stopping before any "
                            "further write")
+
+    def _regain(self, why: str) -> None:
+        """Take the lock back on a new connection after its own died (bounded: `REGAIN_WAIT_S` for the server to
+        come back), only if its epoch is still this holder's."""
+        import time
+
+        import sqlalchemy as sa
+
+        lost = LockLost(f"the lock {self.label!r} was lost with its database connection ({why}): stopping "
+                        "before any further write")
+        if self.epoch is None or self._engine is None:
+            raise lost from None  # no fencing token: whether another holder ran meanwhile cannot be known
+        deadline, pause = time.monotonic() + REGAIN_WAIT_S, 0.5
+        while True:
+            try:
+                conn = self._engine.connect()
+                break
+            except sa.exc.SQLAlchemyError:
+                if time.monotonic() > deadline:
+                    raise lost from None
+                time.sleep(pause)
+                pause = min(pause * 2, 5.0)
+        try:
+            if not conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": self._key}).scalar():
+                raise LockLost(f"the lock {self.label!r} was lost with its database connection ({why}) and "
+                               "another process holds it now: stopping before any further write")
+            epoch = _epoch(conn, self.label)
+            if epoch != self.epoch:
+                conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": self._key})
+                raise LockLost(f"the lock {self.label!r} was lost with its database connection ({why}) and "
+                               f"another process held it meanwhile (epoch {self.epoch} -> {epoch}): stopping "
+                               "before any further write")
+        except BaseException:
+            conn.close()
+            raise
+        with contextlib.suppress(sa.exc.SQLAlchemyError):
+            self._conn.close()
+        self._conn, self.regained = conn, self.regained + 1
+        log.warning("the lock %r died with its database connection (%s) and was taken back: nobody held it "
+                    "meanwhile (epoch %s)", self.label, why, epoch)
+
+
+REGAIN_WAIT_S = 60.0  # how long a lost advisory lock waits for its database to come back before it gives up
+_EPOCHS = "xbn_lock_epochs"
+
+
+def _epoch(conn, label: str, bump: bool = False) -> int | None:
+    """The label's acquisition count in `xbn_lock_epochs` (`bump`: count this acquisition first); None when the
+    table cannot be made or read (no CREATE right): the lock then works without being regained."""
+    import sqlalchemy as sa
+
+    try:
+        if bump:
+            conn.execute(sa.text(f"CREATE TABLE IF NOT EXISTS {_EPOCHS} (label text PRIMARY KEY, "
+                                 "epoch bigint NOT NULL)"))
+            return conn.execute(sa.text(
+                f"INSERT INTO {_EPOCHS} VALUES (:l, 1) ON CONFLICT (label) DO UPDATE SET epoch = "
+                f"{_EPOCHS}.epoch + 1 RETURNING epoch"), {"l": label}).scalar()
+        return conn.execute(sa.text(f"SELECT epoch FROM {_EPOCHS} WHERE label = :l"), {"l": label}).scalar()
+    except sa.exc.SQLAlchemyError as exc:  # e.g. a concurrent first CREATE, or an account without CREATE
+        log.warning("lock epochs unavailable (%s): a lock lost with its connection will not be taken back",
+                    type(exc).__name__)
+        return None
 
 
 def advisory_key(label: str) -> int:
@@ -79,11 +149,15 @@ def advisory_lock(url: str, label: str, timeout: float | None = None) -> Iterato
                     raise LockTimeout(f"the advisory lock of {label!r} ({key}) was held for more than "
                                       f"{timeout:g} s") from None
                 raise
+            held = Held(label, conn, key, engine, _epoch(conn, label, bump=True))
             try:
-                yield Held(label, conn, key)
+                yield held
             finally:  # closing the connection releases it too, should the unlock fail
                 with contextlib.suppress(sa.exc.SQLAlchemyError):  # a connection that died released it
-                    conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+                    held._conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+                if held._conn is not conn:  # taken back on a connection of its own after a restart
+                    with contextlib.suppress(sa.exc.SQLAlchemyError):
+                        held._conn.close()
     finally:
         engine.dispose()
 

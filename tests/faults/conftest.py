@@ -1,0 +1,194 @@
+"""The weekly loop as deployed, for the fault suite: a Prefect server on PostgreSQL (leases on disk, as compose
+runs it) and a process worker started by infra/prefect/worker.sh, an MLflow server on the same PostgreSQL,
+reached through a proxy that can lose a response, a DVC project with a remote around a folder of real images,
+and a real HTTP receiver for the notifications. PostgreSQL is a cluster of this suite's own, so that restarting
+it disturbs no other test. One stack for the whole module; each case injects its fault into one tiny run."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from infra.support import free_port, stop, tail, wait_http
+from infra.test_prefect_server import NotificationReceiver, api, flow_run, stop_worker
+from tests_support import ROOT, TINY
+
+from .support import LosingProxy, PrivatePostgres
+
+DEPLOYMENT = "xbn-retrain/xbn-weekly-retrain"
+ALIVE = ("SCHEDULED", "PENDING", "RUNNING")
+
+
+@dataclass
+class Loop:
+    pg: PrivatePostgres
+    proxy: LosingProxy
+    mlflow_url: str  # the server itself (the flows go through the proxy)
+    prefect_url: str
+    deployment_id: str
+    workdir: Path
+    faults: Path  # XBN_FAULT_DIR
+    overrides: list[str]
+    receiver: NotificationReceiver
+    worker: subprocess.Popen
+    worker_log: Path
+    env: dict  # a client's environment (the worker's)
+    start_mlflow: object  # () -> None
+    stop_mlflow: object  # () -> None
+    timeline: list[dict] = field(default_factory=list)
+
+    def failed(self, message: str) -> str:
+        return f"{message}\nworker log:\n{tail(self.worker_log, 8000)}"
+
+    def start(self, fault: str | None = None, extra: list[str] = (), force: bool = False) -> str:
+        """A deployment run, as the schedule starts one; `fault`: XBN_FAULT for this run's process only."""
+        env = {"XBN_FAULT": fault, "XBN_FAULT_DIR": str(self.faults)} if fault else {}
+        status, run = api(self.prefect_url, f"/deployments/{self.deployment_id}/create_flow_run",
+                          {"parameters": {"overrides": [*self.overrides, *extra], "force": force},
+                           "job_variables": {"env": env}}, auth=None)
+        assert status == 201, f"create_flow_run: HTTP {status}"
+        return run["id"]
+
+    def state(self, run_id: str) -> dict:
+        return flow_run(self.prefect_url, run_id)
+
+    def finish(self, run_id: str, timeout: float = 420) -> dict:
+        deadline = time.monotonic() + timeout
+        while (run := self.state(run_id))["state_type"] in ALIVE:
+            assert self.worker.poll() is None, self.failed("the worker died")
+            assert time.monotonic() < deadline, self.failed(f"run {run_id} did not end within {timeout:.0f} s")
+            time.sleep(0.5)
+        return run
+
+    def wait_reached(self, point: str, run_id: str, timeout: float = 420) -> float:
+        """Wait until the run's process pauses at fault point `point` (XBN_FAULT=<point>:wait)."""
+        deadline, reached = time.monotonic() + timeout, self.faults / f"{point}.reached"
+        while not reached.exists():
+            state = self.state(run_id)["state_type"]
+            assert state in ALIVE, self.failed(f"run {run_id} ended {state} before {point}")
+            assert time.monotonic() < deadline, self.failed(f"run {run_id} never reached {point}")
+            time.sleep(0.3)
+        return time.monotonic()
+
+    def release(self, point: str) -> None:
+        (self.faults / f"{point}.release").touch()
+
+    def messages_since(self, count: int) -> list[str]:
+        return [m.get("title", "") for m in self.receiver.messages[count:]]
+
+    def params(self):
+        from xbn.config import load_params
+
+        with contextlib.chdir(self.workdir):
+            params = load_params("params.yaml", [*self.overrides, f"tracking.uri={self.mlflow_url}"])
+        return params
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory) -> Iterator[Loop]:
+    from xbn.data.glyphs import generate_glyphs
+
+    tmp = tmp_path_factory.mktemp("faults")
+    pg = PrivatePostgres()
+    for database in ("prefect", "mlflow", "locks"):
+        pg.create_database(database)
+    procs: list[subprocess.Popen] = []
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "XBN_"))}
+    base |= {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PREFECT_HOME": str(tmp / "home"),
+             "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "GX_ANALYTICS_ENABLED": "false",
+             "MLFLOW_DISABLE_TELEMETRY": "true"}
+
+    # MLflow, on the suite's PostgreSQL, artifacts served from a folder (s3:// in compose).
+    mlflow_port, mlflow_log = free_port(), tmp / "mlflow.log"
+    mlflow_cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", pg.url("mlflow"),
+                  "--artifacts-destination", str(tmp / "artifacts"), "--host", "127.0.0.1",
+                  "--port", str(mlflow_port), "--workers", "1", "--allowed-hosts", "127.0.0.1,127.0.0.1:*"]
+    mlflow_proc: list[subprocess.Popen] = []
+
+    def start_mlflow() -> None:
+        with mlflow_log.open("a") as out:
+            proc = subprocess.Popen(mlflow_cmd, cwd=tmp, env=base, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        mlflow_proc[:] = [proc]
+        wait_http(f"http://127.0.0.1:{mlflow_port}/health", proc, mlflow_log, timeout=180)
+
+    def stop_mlflow() -> None:
+        stop(mlflow_proc[0])
+
+    # Prefect, on the same PostgreSQL, with compose's lease storage.
+    prefect_port = free_port()
+    prefect_url, prefect_log = f"http://127.0.0.1:{prefect_port}/api", tmp / "prefect.log"
+    server_env = {**base, "PREFECT_UI_ENABLED": "false",
+                  "PREFECT_API_DATABASE_CONNECTION_URL": pg.url("prefect", "postgresql+asyncpg"),
+                  "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE":
+                      "prefect.server.concurrency.lease_storage.filesystem"}
+    proxy = receiver = worker = None
+    try:
+        start_mlflow()
+        with prefect_log.open("w") as out:
+            procs.append(subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host",
+                                           "127.0.0.1", "--port", str(prefect_port)], cwd=tmp, env=server_env,
+                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        wait_http(f"{prefect_url}/health", procs[-1], prefect_log, timeout=180)
+        proxy = LosingProxy(mlflow_port)
+        receiver = NotificationReceiver()
+
+        # The project: prefect.yaml, params.yaml, the flows' entry points, a DVC project with a remote, images.
+        workdir = tmp / "app"
+        workdir.mkdir()
+        shutil.copy(ROOT / "prefect.yaml", workdir)
+        shutil.copy(ROOT / "params.yaml", workdir)
+        shutil.copytree(ROOT / "pipelines", workdir / "pipelines", ignore=shutil.ignore_patterns("__pycache__"))
+        generated = generate_glyphs(tmp / "glyphs", classes=24, images_per_class=4, image_size=32, seed=0)
+        shutil.copytree(generated / "images", workdir / "data" / "catalogue")
+        for args in (["init", "--no-scm", "-q"], ["remote", "add", "-d", "store", str(tmp / "dvc-remote")]):
+            subprocess.run([sys.executable, "-m", "dvc", *args], cwd=workdir, env=base, check=True,
+                           capture_output=True)
+        replaced = ("data.version", "tracking.enabled", "train.epochs", "train.warmup_epochs")
+        overrides = [o for o in TINY if not o.startswith(replaced)]
+        overrides += ["train.epochs=1", "train.warmup_epochs=0", "train.finetune_epochs=1", "data.dataset=folder",
+                      "data.root=data/catalogue", "data.version=dvc", "tracking.enabled=true",
+                      f"tracking.uri={proxy.url}", f"tracking.lock_uri={pg.url('locks')}", "tracking.outage_s=90",
+                      "drift.sample=32", "drift.permutations=99"]
+        faults = tmp / "faults"
+        faults.mkdir()
+        env = {**base, "PREFECT_API_URL": prefect_url, "XBN_WORKDIR": str(workdir), "XBN_NOTIFY_URLS": receiver.url,
+               "PREFECT_WORKER_QUERY_SECONDS": "1"}
+        worker_log = tmp / "worker.log"
+        with worker_log.open("w") as out:  # the compose service's entry point: pool, deploy, then the worker
+            worker = subprocess.Popen(["bash", str(ROOT / "infra/prefect/worker.sh")], cwd=tmp, env=env,
+                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 240
+        while not (found := api(prefect_url, "/deployments/filter", {}, auth=None)[1]):
+            assert worker.poll() is None and time.monotonic() < deadline, tail(worker_log)
+            time.sleep(1)
+        yield Loop(pg, proxy, f"http://127.0.0.1:{mlflow_port}", prefect_url, found[0]["id"], workdir, faults,
+                   overrides, receiver, worker, worker_log, env, start_mlflow, stop_mlflow)
+    finally:
+        if worker is not None:
+            stop_worker(worker)
+        for proc in [*procs, *mlflow_proc]:
+            stop(proc)
+        if proxy is not None:
+            proxy.close()
+        if receiver is not None:
+            receiver.close()
+        pg.close()
+
+
+def record(loop: Loop, case: str, **row) -> None:
+    """One row of the suite's timeline (printed at the end, and written to $XBN_FAULT_TIMELINE if set)."""
+    loop.timeline.append({"case": case, **row})
+    if path := os.environ.get("XBN_FAULT_TIMELINE"):
+        Path(path).write_text(json.dumps(loop.timeline, indent=1))
+    print(json.dumps({"case": case, **row}))

@@ -1,0 +1,196 @@
+"""Issue 40: the weekly loop under faults, with real processes. Each case injects one fault into one deployment
+run (a named fault point, xbn/utils/faults.py: kill, or wait while the test cuts a server), then lets the next
+scheduled run go, and checks what a person on call would: the run completed; exactly one version per model
+sha256, every registration finished; the champion's index verified and a freshly started server answering
+/health and a search; aliases, decision tags and the champion history agreeing; the notifications that arrived.
+The cases build on each other's registry, so they run in order inside one test (pytest-xdist's groups do not keep
+a module's tests on one worker here, and each worker would start the whole stack again)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .conftest import Loop, record
+
+pytestmark = pytest.mark.slow
+
+
+def assert_healthy(loop: Loop) -> dict:
+    """The loop's invariants after a fault and the run that followed it; returns the versions and aliases."""
+    from mlflow import MlflowClient
+
+    from serving.serving_support import running
+    from xbn.stages.serve import serving_app
+    from xbn.tracking import Registry
+    from xbn.tracking.history import read_history
+    from xbn.tracking.registry import SHA_TAG
+
+    params = loop.params()
+    client = MlflowClient(loop.mlflow_url)
+    name = params.registry.model_name
+    versions = sorted(client.search_model_versions(f"name='{name}'"), key=lambda v: int(v.version))
+    shas = collections.Counter(v.tags[SHA_TAG] for v in versions)
+    assert all(n == 1 for n in shas.values()), f"a model registered twice: {shas}"
+    unfinished = {v.version: v.tags.get("registration") for v in versions if v.tags.get("registration") != "done"}
+    assert not unfinished, f"registrations left unfinished: {unfinished}"
+    registry = Registry(params)
+    champion = registry.by_alias("champion")
+    assert champion is not None, "no champion"
+    assert registry.index_problem(champion) is None, f"champion v{champion.version}: {registry.index_problem(champion)}"
+    history = read_history(registry)
+    assert history and history[-1].to_version == int(champion.version), [h.line() for h in history]
+    promoted = {int(v.version) for v in versions if v.tags.get("decision") == "promoted"}
+    assert promoted <= {h.to_version for h in history}, f"promoted but never champion: {promoted}"
+    with running(serving_app(params, token=None)) as server:  # what a freshly started `xbn serve` loads
+        health = server.get("/health")
+        assert health.status_code == 200 and str(health.json()["version"]) == str(champion.version), health.text
+        image = next((loop.workdir / "data" / "catalogue").rglob("*.png")).read_bytes()
+        found = server.post("/search", files={"image": ("q.png", image)}, data={"k": "3"})
+        assert found.status_code == 200 and len(found.json()["results"]) == 3, found.text
+    return {"versions": {int(v.version): v.tags.get("decision") for v in versions},
+            "champion": int(champion.version),
+            "challenger": getattr(registry.by_alias("challenger"), "version", None)}
+
+
+def announced(loop: Loop, faulted: dict, sent: int) -> float:
+    """Wait for the crash's own notification: Prefect's worker runs the flow's on_crashed hook once it has seen
+    the flow's process die. Returns when it arrived."""
+    deadline = time.monotonic() + 90
+    while not any(t == f"xbn retrain CRASHED: {faulted['name']}" for t in loop.messages_since(sent)):
+        assert time.monotonic() < deadline, loop.failed(f"no CRASHED notification: {loop.messages_since(sent)}")
+        time.sleep(0.3)
+    return time.monotonic()
+
+
+def run_after(loop: Loop, case: str, began: float, faulted: dict, sent: int, **row) -> dict:
+    """The next scheduled run after a fault: it completes, and the loop is healthy."""
+    detected = time.monotonic()
+    if faulted.get("state_type") == "CRASHED":
+        row["announced_s"] = round(announced(loop, faulted, sent) - began, 1)
+    run = loop.finish(loop.start())
+    assert run["state_type"] == "COMPLETED", loop.failed(f"{case}: the next run ended {run['state_type']}")
+    state = assert_healthy(loop)
+    record(loop, case, faulted_run=faulted["state_name"], start_to_detected_s=round(detected - began, 1),
+           next_run_s=round(run["total_run_time"], 1), **state, notifications=loop.messages_since(sent), **row)
+    return state
+
+
+def case_killed_after_the_champion_alias_moved(loop: Loop) -> None:
+    """The first run (no champion yet: the gate promotes) is SIGKILLed when the index stage has attached v1's
+    index and moved `champion` (promote last), before the history and the model card: Prefect's worker marks
+    the run CRASHED and runs its on_crashed hook (a notification), and the next run completes v1's registration
+    without training."""
+    sent, began = len(loop.receiver.messages), time.monotonic()
+    faulted = loop.finish(loop.start("register.after_champion:kill"))
+    assert faulted["state_type"] == "CRASHED", loop.failed(f"ended {faulted['state_type']}")
+    state = run_after(loop, "SIGKILL after the champion alias moved", began, faulted, sent)
+    assert state["versions"] == {1: "promoted"} and state["champion"] == 1
+    assert loop.messages_since(sent) == [f"xbn retrain CRASHED: {faulted['name']}", "xbn: v1 registration completed"]
+
+
+def case_killed_after_training(loop: Loop) -> None:
+    """A forced run SIGKILLed right after training: nothing was registered, and the next scheduled run (not
+    forced) finds nothing changed since v1 and completes in seconds."""
+    sent, began = len(loop.receiver.messages), time.monotonic()
+    faulted = loop.finish(loop.start("retrain.after_train:kill", ["train.seed=2"], force=True))
+    assert faulted["state_type"] == "CRASHED", loop.failed(f"ended {faulted['state_type']}")
+    state = run_after(loop, "SIGKILL after train", began, faulted, sent)
+    assert state["versions"] == {1: "promoted"} and state["champion"] == 1
+    assert loop.messages_since(sent) == [f"xbn retrain CRASHED: {faulted['name']}"]  # nothing to repair
+
+
+def case_killed_after_create(loop: Loop) -> None:
+    """SIGKILL right after `model-versions/create` (v2 exists, tagged `registration: created`): the next run
+    completes v2's registration (held or promoted, as its gate decided), and trains nothing."""
+    sent, began = len(loop.receiver.messages), time.monotonic()
+    faulted = loop.finish(loop.start("register.after_create:kill", ["train.seed=3"], force=True))
+    assert faulted["state_type"] == "CRASHED", loop.failed(f"ended {faulted['state_type']}")
+    state = run_after(loop, "SIGKILL after create", began, faulted, sent)
+    assert sorted(state["versions"]) == [1, 2]
+    assert loop.messages_since(sent) == [f"xbn retrain CRASHED: {faulted['name']}", "xbn: v2 registration completed"]
+
+
+def case_postgres_restarted_mid_flow_while_xbn_retrain_is_refused(loop: Loop) -> None:
+    """While a deployment run trains: `xbn retrain` started beside it refuses to run (one line, exit 1), then
+    PostgreSQL (Prefect's, MLflow's and the run lock's database) restarts with `pg_ctl restart -m fast`. The
+    run carries on and completes."""
+    sent, began = len(loop.receiver.messages), time.monotonic()
+    run_id = loop.start("retrain.after_train:wait", ["train.seed=4"], force=True)
+    loop.wait_reached("retrain.after_train", run_id)
+    beside = subprocess.run([sys.executable, "-m", "xbn.cli", "retrain", "--params", "params.yaml",
+                             *(f"--set={o}" for o in loop.overrides), "--force"], cwd=loop.workdir,
+                            env={**loop.env, "PREFECT_API_URL": loop.prefect_url}, capture_output=True, text=True,
+                            timeout=300)
+    assert beside.returncode == 1, beside.stdout[-3000:] + beside.stderr[-3000:]
+    refused = beside.stderr.strip().splitlines()[-1]
+    assert refused.startswith("xbn retrain: another run on") and "did not start" in refused, beside.stderr[-3000:]
+    down = loop.pg.restart()
+    loop.release("retrain.after_train")
+    faulted = loop.finish(run_id)
+    assert faulted["state_type"] == "COMPLETED", loop.failed(f"after a PostgreSQL restart: {faulted['state_type']}")
+    state = run_after(loop, "xbn retrain beside a run; pg_ctl restart -m fast mid-flow", began, faulted, sent,
+                      pg_down_s=round(down, 1), refused=refused[:160])
+    assert sorted(state["versions"]) == [1, 2, 3]
+    # The refused `xbn retrain` is a flow run that failed (its own hook says so), then the run's own verdict.
+    titles = loop.messages_since(sent)
+    assert len(titles) == 2 and titles[0].startswith("xbn retrain FAILED") and titles[1].startswith("xbn: v3 ")
+
+
+def case_mlflow_down_30_s_mid_register_and_a_lost_create_response(loop: Loop) -> None:
+    """The MLflow server stops as the run reaches register and comes back 30 s later; then the proxy loses the
+    response to `model-versions/create` (the server registered it). The run waits out the outage
+    (tracking.outage_s), finds its version instead of creating a second one, and completes."""
+    sent, began = len(loop.receiver.messages), time.monotonic()
+    run_id = loop.start("register.start:wait", ["train.seed=5"], force=True)
+    loop.wait_reached("register.start", run_id)
+    loop.stop_mlflow()
+    loop.release("register.start")
+    time.sleep(30)  # the outage itself, not a wait for a timing to land: the run must wait it out
+    loop.proxy.lose_next("/model-versions/create")
+    loop.start_mlflow()
+    faulted = loop.finish(run_id)
+    assert faulted["state_type"] == "COMPLETED", loop.failed(f"after an MLflow outage: {faulted['state_type']}")
+    assert loop.proxy.lost == ["/api/2.0/mlflow/model-versions/create"], loop.proxy.lost
+    state = run_after(loop, "MLflow down 30 s mid-register; create response lost", began, faulted, sent)
+    assert sorted(state["versions"]) == [1, 2, 3, 4]
+    titles = loop.messages_since(sent)  # the verdict on v4 only: the outage and the lost answer were waited out
+    assert len(titles) == 1 and titles[0].startswith("xbn: v4 "), titles
+
+
+def case_cut_dvc_files_and_a_foreign_rwlock(loop: Loop) -> None:
+    """The data's `.dvc` record and dvc.lock cut short, and DVC's rwlock naming a live process that is not
+    DVC: the next run repairs them and completes (nothing changed: no training)."""
+    import json
+
+    record_file = loop.workdir / "data" / "catalogue.dvc"
+    lock_file, rwlock = loop.workdir / "dvc.lock", loop.workdir / ".dvc" / "tmp" / "rwlock"
+    record_file.write_text(record_file.read_text()[:25])
+    lock_file.write_text("schema: '2.0'\nstages:\n  prepare:\n    cmd: xbn prep")
+    foreign = subprocess.Popen(["sleep", "600"])
+    try:
+        rwlock.parent.mkdir(parents=True, exist_ok=True)
+        rwlock.write_text(json.dumps({"read": {}, "write": {str(loop.workdir / "data" / "catalogue"): {
+            "pid": foreign.pid, "cmd": "dvc add data/catalogue"}}}))
+        sent, began = len(loop.receiver.messages), time.monotonic()
+        state = run_after(loop, "cut .dvc and dvc.lock, rwlock with a live foreign PID", began,
+                          {"state_name": "(files cut between runs)"}, sent)
+    finally:
+        foreign.kill()
+    assert sorted(state["versions"]) == [1, 2, 3, 4]  # nothing changed: nothing trained
+    entries = [e for kind in ("read", "write") for e in json.loads(rwlock.read_text()).get(kind, {}).values()]
+    assert all(e["pid"] != foreign.pid for e in (x for v in entries for x in (v if isinstance(v, list) else [v])))
+
+
+def test_the_weekly_loop_survives_faults(loop):
+    for case in (case_killed_after_the_champion_alias_moved, case_killed_after_training, case_killed_after_create,
+                 case_postgres_restarted_mid_flow_while_xbn_retrain_is_refused,
+                 case_mlflow_down_30_s_mid_register_and_a_lost_create_response,
+                 case_cut_dvc_files_and_a_foreign_rwlock):
+        case(loop)
+    print("timeline:", json.dumps(loop.timeline, indent=1))
