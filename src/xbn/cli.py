@@ -564,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
                 result = args.fn(params, args)
     except tuple(kind for kinds, _ in exit_codes for kind in kinds) as exc:
         said, prefix = str(exc), f"xbn {args.command}: "
+        if isinstance(exc, PermissionError) and exc.filename and not os.path.isabs(str(exc.filename)):
+            said += f" (in {os.getcwd()}: a folder this account cannot write in)"
         print(said if said.startswith(prefix) else prefix + said, file=sys.stderr)  # RunBusy names its command
         return next(code for kinds, code in exit_codes if isinstance(exc, kinds))
     except Exception as exc:

@@ -113,3 +113,30 @@ def test_one_name_for_a_model_version_and_the_old_one_still_works(capsys):
     with pytest.raises(SystemExit) as exited:
         parser.parse_args(["--version"])
     assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"xbn {__version__}"
+
+
+def _read_only_folder() -> Path:
+    """A folder that even root cannot write in: sysfs (chmod does not stop root, so a tmp folder cannot serve)."""
+    probe = Path("/sys/xbn-write-probe")
+    try:
+        probe.write_text("")
+    except OSError:
+        return Path("/sys")
+    probe.unlink()
+    pytest.skip("/sys is writable here: no read-only folder to run in")
+
+
+def test_init_and_run_in_a_read_only_folder_say_so_in_one_line(monkeypatch, capsys, tmp_path):
+    """Issue 41 item 5: `xbn init` and `xbn run` where nothing can be written: one line naming the file, a
+    non-zero exit, no traceback."""
+    from xbn.cli import main
+
+    params = tmp_path / "params.yaml"
+    params.write_text(Path(__file__).parents[2].joinpath("params.yaml").read_text())
+    monkeypatch.chdir(_read_only_folder())
+    assert main(["init", "--dataset", "glyphs", "--root", "data/glyphs"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("xbn init: cannot write here:") and "params.yaml" in err[0], err
+    assert main(["run", "--params", str(params), "-q", "--set", "tracking.enabled=false"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("xbn run: ") and "'reports' (in /sys: a folder" in err[0], err

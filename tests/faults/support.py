@@ -32,7 +32,7 @@ class PrivatePostgres:
             if os.environ.get("CI") == "true":
                 pytest.fail(message + " (CI=true: the fault suite must run)")
             pytest.skip(message)
-        self.bin = Path(initdb).parent
+        self.bin = Path(initdb).resolve().parent  # /usr/local/bin may link initdb and pg_ctl only
         self.port = free_port()
         self.folder = Path(tempfile.mkdtemp(prefix="xbn-faults-pg-"))
         self.data, self.log = self.folder / "data", self.folder / "server.log"
@@ -65,6 +65,13 @@ class PrivatePostgres:
         with conn.cursor() as cur:
             cur.execute(f'CREATE DATABASE "{name}"')
         conn.close()
+
+    def dump(self, database: str) -> str:
+        """`pg_dump` of `database`, as text: every row of every table."""
+        done = subprocess.run([*self._as, str(self.bin / "pg_dump"), "-h", "127.0.0.1", "-p", str(self.port),
+                               "-U", "postgres", database], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
 
     def start(self) -> None:
         self._run("pg_ctl", "start", "-w", "-D", str(self.data), "-l", str(self.log))

@@ -65,12 +65,20 @@ def task_runner(params: Params, address: str | None = None):
 
 def for_workers(params: Params) -> Params:
     """`params` with the tracking store the flow resolved ($MLFLOW_TRACKING_URI or tracking.uri; a relative
-    SQLite path made absolute), so workers that lack the flow's environment load from the same registry."""
+    SQLite path made absolute), so workers that lack the flow's environment load from the same registry; without
+    the URI's user and password: the params travel as a subflow's parameters, which Prefect stores and shows.
+    A worker authenticates with its own account (MLFLOW_TRACKING_USERNAME/PASSWORD, READ is enough); workers of
+    the flow's own LocalCluster inherit the flow's environment."""
+    from urllib.parse import urlsplit, urlunsplit
+
     from xbn.tracking import tracking_uri
 
     uri = tracking_uri(params)
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         uri = f"sqlite:///{Path(uri.removeprefix('sqlite:///')).absolute()}"
+    parts = urlsplit(uri)
+    if parts.password is not None or parts.username is not None:
+        uri = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
     return params.model_copy(update={"tracking": params.tracking.model_copy(update={"uri": uri})})
 
 

@@ -36,6 +36,7 @@ from xbn.config import Params
 from xbn.tracking.fingerprints import file_digest
 from xbn.utils.errors import IntegrityError
 from xbn.utils.integrity import verify_file, write_sidecar
+from xbn.utils.secrets import mask_secrets
 from xbn.tracking.locks import DEFAULT_TIMEOUT_S, registry_lock
 from xbn.tracking.pyfunc import CHECKPOINT_ARTIFACT
 from xbn.data.snapshot import DATA_FILES, DATA_RECORD
@@ -218,8 +219,9 @@ class Registry:
                 raise
             from xbn.tracking.services import wait_reachable
 
+            # MLflow's message holds the request's URL, with the tracking URI's credentials: masked.
             log.warning("%s: the answer to registering %s was lost (%s): looking it up before asking again",
-                        self.name, model_uri, str(exc)[:300])
+                        self.name, model_uri, mask_secrets(str(exc))[:300])
             wait_reachable(self.uri, self.outage_s)
             if (found := self.find_by_tag(SHA_TAG, sha)) is not None:
                 return found  # the server registered it: the answer only was lost

@@ -74,6 +74,9 @@ def tracking_uri(params: Params) -> str:
 def configure(params: Params) -> str:
     """Point MLflow at the store and experiment of `params`; returns the tracking URI."""
     uri = tracking_uri(params)
+    # MLflow prints "View run <name> at: <tracking URI>/#/..." to stdout as a run ends, credentials and all (a
+    # worker's stdout is a log someone keeps); xbn logs its runs itself, masked.
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment(params.tracking.experiment)
     return uri
