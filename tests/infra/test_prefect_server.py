@@ -229,10 +229,9 @@ def test_the_weekly_schedule_under_a_real_worker(prefect_stack, tmp_path):
     process pool with a worker, DataLoader workers on (data.num_workers=2: they died with exit code 1 in flow
     runs), a DVC project with a remote around the data.
     1. trains from pretrained weights and registers v1 (a second run meanwhile waits: concurrency_limit 1);
-    2. nothing changed: completes in seconds without training, and registers nothing;
-    3. three classes added: fine-tunes v1 into v2 (parent_version 1), with a drift report naming the classes;
-    4. a bad params override: the run fails, and the failure is sent.
-    A real HTTP receiver gets exactly the promotion/held messages and the failure, through Apprise."""
+    2. three classes added: fine-tunes v1 into v2 (parent_version 1), with a drift report naming the classes;
+    then each version's images come back from the DVC remote. (A run with nothing changed, and a failed run
+    that says so, run in tests/faults.) A real HTTP receiver gets exactly the promotion/held messages."""
     from xbn.data.glyphs import generate_glyphs
 
     url, workdir = prefect_stack.url, prefect_stack.workdir
@@ -332,15 +331,9 @@ def test_the_weekly_schedule_under_a_real_worker(prefect_stack, tmp_path):
         timeline.append(("v1 from pretrained", flow_run(url, first)["total_run_time"]))
         assert list(versions()) == ["1"] and versions()["1"]["data_md5"].endswith(".dir")
 
-        # 2. Nothing changed: no training, no version, in seconds.
-        run = finish(start(overrides), time.monotonic() + 300)
-        assert run["state_type"] == "COMPLETED", failed(f"the no-change run ended {run['state_type']}")
-        timeline.append(("no change", run["total_run_time"]))
-        assert run["total_run_time"] < 60, failed(f"the no-change run took {run['total_run_time']} s")
-        assert list(versions()) == ["1"]
-        assert "no change since v1" in tail(log, 200_000)
+        # (Nothing changed, a run that fails and says so: tests/faults runs those through this same stack.)
 
-        # 3. Three classes added and three images changed in place: fine-tune v1.
+        # 2. Three classes added and three images changed in place: fine-tune v1.
         v1_files = digests(catalogue)
         for folder in sorted((generated / "images").iterdir())[24:]:
             shutil.copytree(folder, catalogue / folder.name)
@@ -356,12 +349,8 @@ def test_the_weekly_schedule_under_a_real_worker(prefect_stack, tmp_path):
         assert drift["changes"]["classes_added"] == {"count": 3, "examples": ["0024", "0025", "0026"]}
         assert drift["champion_version"] == 1 and "+3 classes (0024, 0025, 0026)" in drift["line"]
         assert drift["changes"]["images_changed"]["count"] == 3
-
-        # 4. A bad override: the run fails, and says so.
-        run = finish(start([*overrides, "train.epochs=-1"]), time.monotonic() + 300)
-        assert run["state_type"] == "FAILED", failed(f"the bad run ended {run['state_type']}")
-        deadline = time.monotonic() + 30  # the on_failure hook runs as the flow ends
-        while len(receiver.messages) < 3 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 30  # the notifications are sent as the flow ends
+        while len(receiver.messages) < 2 and time.monotonic() < deadline:
             time.sleep(0.5)
     finally:
         stop_worker(worker)
@@ -371,10 +360,8 @@ def test_the_weekly_schedule_under_a_real_worker(prefect_stack, tmp_path):
     assert not re.search(r"exited unexpectedly|Retry \d+/\d+", text), failed("a task failed and was retried")
     titles = [m.get("title", "") for m in receiver.messages]
     verdict = "promoted to champion" if v2["decision"] == "promoted" else f"held for review ({v2['decision']})"
-    assert titles[:2] == ["xbn: v1 promoted to champion", f"xbn: v2 {verdict}"], titles
-    assert len(titles) == 3 and titles[2].startswith("xbn retrain FAILED"), titles
+    assert titles == ["xbn: v1 promoted to champion", f"xbn: v2 {verdict}"], titles
     assert "test R@1" in receiver.messages[1]["message"] and "/runs/flow-run/" in receiver.messages[1]["message"]
-    assert "train.epochs" in receiver.messages[2]["message"]
     # Issue 25: the folder is gone; each version's images come back exactly from the DVC remote, also in a fresh
     # project that has only the remote's address and the tracking store.
     shutil.rmtree(catalogue)
