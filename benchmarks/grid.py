@@ -81,6 +81,15 @@ DATASETS: dict[str, dict[str, int]] = {
                    "warmup_epochs": 1, "epochs": 4, "lr_step_epochs": 4},
     "glyphs64": {"classes": 600, "images_per_class": 6, "image_size": 64,
                  "warmup_epochs": 1, "epochs": 4, "lr_step_epochs": 4},
+    # Issue 42, SOP's regime: all 964 characters, 5 drawings each (chosen by a fixed seed), class-disjoint halves
+    # for train (about 410 classes after validation) and test (482), 64 px; the grid's short schedule...
+    "sop_like": {"sop_like": 1, "images_per_class": 5, "image_size": 64,
+                 "warmup_epochs": 1, "epochs": 4, "lr_step_epochs": 4},
+    # ...and the long one (seed 000's Table 2 setting, scaled): at batch 64 an epoch is about 32 steps, so the
+    # memory joining 1,000 steps after the warm-up (epoch 32) and a 50% memory (16 steps a turn) turn over 30
+    # times in the last 15 epochs; the lr steps x0.33 every 15 epochs (the paper's 15 of 50).
+    "sop_like_long": {"sop_like": 1, "images_per_class": 5, "image_size": 64,
+                      "warmup_epochs": 1, "epochs": 48, "lr_step_epochs": 15},
 }
 SCALE = {"warmup_epochs": 1, "epochs": 8, "lr_step_epochs": 3, "val_classes": 0.15}
 SCALE_METHODS = ("none", "xbm", "xbn", "axbn")  # issue 30's grid
@@ -123,13 +132,16 @@ def prepare(dataset: str, work: Path) -> tuple[list[str], dict[str, Any]]:
         frame = read_dataset("glyphs", root)
         data = ["data.dataset=glyphs", f"data.root={root}"]
     else:
-        from benchmarks.omniglot import NPZ, export, write_labels
+        from benchmarks.omniglot import NPZ, export, write_labels, write_sop_like_labels
 
         if not NPZ.exists():
             raise FileNotFoundError(f"{NPZ} not found (the data is not part of the project)")
         root = export()
         labels = manifest.parent / "labels.csv"
-        write_labels(root, labels, spec["train_classes"], spec["test_classes"], spec["images_per_class"])
+        if spec.get("sop_like"):
+            write_sop_like_labels(root, labels, spec["images_per_class"])
+        else:
+            write_labels(root, labels, spec["train_classes"], spec["test_classes"], spec["images_per_class"])
         frame = read_dataset("csv", root, labels_file=labels)
         data = ["data.dataset=csv", f"data.root={root}", f"data.labels_file={labels}"]
     scale = scale_of(dataset)
@@ -193,6 +205,7 @@ def run_one(overrides: list[str], threads: int, params_file: Path) -> dict[str, 
                  "refine_train_views_recall@1": refined["train_plain_recall@1"]}
     else:
         metrics = evaluate(params)
+    extra.update(_drift_record(Path(params.train.metrics_dir), summary))
     if "mpn" in metrics:  # Intra-Batch at test time, over the expanded k-reciprocal neighbourhoods
         variants["mpn_test_time"] = {k: metrics["mpn"][k] for k in ("recall@1", "map@r")}
     return {"recall@1": metrics["recall@1"], "map@r": metrics["map@r"], "recall@4": metrics.get("recall@4"),
@@ -202,6 +215,26 @@ def run_one(overrides: list[str], threads: int, params_file: Path) -> dict[str, 
             "iterations": summary["iterations"], "memory_rows": summary["memory_rows"], **extra,
             "train_s": round(train_s, 1), "loadavg_before": load[0], "loadavg_after": os.getloadavg()[0],
             **({"variants": variants} if variants else {})}
+
+
+def _drift_record(metrics_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """Issue 42's traces of a run: val R@1 per epoch (a collapse shows as a dip), and where the run measured
+    the memory's drift (train.drift_every), its summary and its series (iteration, stored and mapped distance
+    to fresh embeddings, their cosines, the rows' age, the map's scale min/max, the batch mean's noise)."""
+    import csv
+
+    epochs = list(csv.DictReader((metrics_dir / "train_epochs.csv").open()))
+    record: dict[str, Any] = {"val_curve": [float(e["val_recall@1"]) if e.get("val_recall@1") else None
+                                            for e in epochs]}
+    if "memory_drift" not in summary:
+        return record
+    columns = ("iteration", "stored_drift_mean", "mapped_drift_mean", "stored_cosine", "mapped_cosine",
+               "memory_age", "scale_min", "scale_max", "batch_mean_noise")
+    rows = [r for r in csv.DictReader((metrics_dir / "train_steps.csv").open()) if r.get("stored_drift_mean")]
+    record["memory_drift"] = summary["memory_drift"]
+    record["drift_columns"] = list(columns)
+    record["drift_series"] = [[round(float(r[c]), 5) if r.get(c) else None for c in columns] for r in rows]
+    return record
 
 
 def with_variants(run: dict[str, Any], derived: dict[str, str]) -> list[dict[str, Any]]:

@@ -55,3 +55,18 @@ def write_labels(root: Path, path: Path, train_classes: int, test_classes: int, 
             rows += [f"images/c{c:03d}/{i:02d}.png,c{c:03d},{split}" for i in range(per_class)]
     path.write_text("\n".join(rows) + "\n")
     return {"train_classes": int(min(train_classes, len(train))), "test_classes": int(min(test_classes, len(test)))}
+
+
+def write_sop_like_labels(root: Path, path: Path, per_class: int = 5, seed: int = SPLIT_SEED) -> dict[str, int]:
+    """Issue 42's SOP-like split: every one of the 964 characters, `per_class` of its 20 drawings (chosen by
+    `seed`), the classes halved class-disjointly into train and test. Few images a class and a memory that
+    holds many classes, as in Stanford Online Products (2 to 10 images a class)."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(964)
+    rows = ["path,label,split"]
+    for split, classes in (("train", order[:482]), ("test", order[482:])):
+        for c in sorted(classes):
+            rows += [f"images/c{c:03d}/{i:02d}.png,c{c:03d},{split}" for i in sorted(rng.choice(20, per_class,
+                                                                                               replace=False))]
+    path.write_text("\n".join(rows) + "\n")
+    return {"train_classes": 482, "test_classes": 482}

@@ -32,6 +32,17 @@ def test_every_regime_run_loads_as_valid_params(regime, method, quick):
         if method != "plain":
             assert params.refine.views_augment == ("light" if method == "refined_light" else "full")
         return
+    if regime.startswith("drift"):  # issue 42's arms: memory loss alone unless starred, drift measured
+        m = params.memory
+        assert m.method == method.split("_")[0].rstrip("*")
+        if method != "none":
+            assert m.add_batch_loss == method.endswith("*") and params.train.drift_every == (2 if quick else 20)
+            assert m.exclude_self == ("exclude_self" in method) and m.attach_batch == ("attached" in method)
+        if method == "oracle":  # 8 refreshes per turn of the memory: 9 steps an epoch, a full or half memory
+            assert m.oracle_every == (1 if regime == "drift_long" else 2)
+        if regime == "drift_long" and method != "none":
+            assert (m.size, m.delay_steps) == (0.5, 0 if quick else 1000)
+        return
     assert params.memory.method == "none"
     if regime == "mpn":  # the paper's 6 x 9 batch (CUB's, which glyphs take), with and without message passing
         assert (params.train.batch_size, params.train.samples_per_class) == (54, 9)

@@ -54,7 +54,9 @@ def assert_states_equal(a: dict, b: dict, **tol) -> None:
     for key, value in a.items():
         if isinstance(value, torch.Tensor):
             torch.testing.assert_close(value, b[key], msg=key, **tol)
-        else:  # extra state: queue pointer, fill flag, iteration counters
+        elif isinstance(value, dict):  # extra state: queue pointer, fill flag, counters, batch-mean sums
+            assert_states_equal(value, b[key], **tol)
+        else:
             assert value == b[key], key
 
 
@@ -64,7 +66,8 @@ def epoch_table(result: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize("method", METHODS)
 def test_ddp_loss_and_memory_equal_single_process(tiny_params, glyph_root, tmp_path, method):
-    run = [f"memory.method={method}", "memory.size=36"]
+    # The memory's drift measurement is off under DDP (a rank holds only its slice of the batch's images).
+    run = [f"memory.method={method}", "memory.size=36", "train.drift_every=0"]
     single_params = tiny_params(*run)
     prepare(single_params)
     single = train_and_collect(single_params)

@@ -17,13 +17,14 @@ import torch
 
 from tests_support import ROOT, TINY
 from xbn.cli import EXIT_CONFIG, main
+from xbn.training.replicas import state_digest
 
 pytestmark = pytest.mark.slow
 
 # A memory that wraps around (36 rows, 4 global batches of 16) and whose AXBN Kalman state depends on the whole
 # global batch: both must be the same on every rank for the runs to agree. 2 epochs (1 warm-up): the warm-up ->
 # main switch re-wraps the model in DDP.
-RUN = ["memory.method=axbn", "memory.size=36", "train.epochs=1"]
+RUN = ["memory.method=axbn", "memory.size=36", "train.epochs=1", "train.drift_every=0"]  # off under DDP
 
 
 def free_port() -> int:
@@ -107,8 +108,8 @@ def test_two_nodes_train_as_one_machine_with_two_processes(torchrun_runs):
     assert a["iteration"] == b["iteration"] == 4
     for part in ("model", "criterion"):
         assert a[part].keys() == b[part].keys()
-        for key, value in a[part].items():
-            assert torch.equal(value, b[part][key]) if isinstance(value, torch.Tensor) else value == b[part][key], key
+        for key, value in a[part].items():  # extra state holds tensors too (the memory's batch-mean sums)
+            assert state_digest({key: value}) == state_digest({key: b[part][key]}), key
     assert len(a["criterion"]["memory.embedding_memory"]) == 36
     assert json.dumps(a["history"]["epochs"]) == json.dumps(b["history"]["epochs"])  # NaN-safe: val scores too
 

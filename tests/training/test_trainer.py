@@ -104,14 +104,25 @@ def test_axbn_auto_resumed_after_epoch_1_equals_uninterrupted_run(tiny_params):
     for key, value in expected.items():
         if isinstance(value, torch.Tensor):
             torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
-        else:  # queue pointer, fill flag, iteration counters
-            assert got[key] == value, key
+        else:  # queue pointer, fill flag, iteration counters, the inputs of the memory's tracked slots
+            _assert_same(got[key], value, key)
     for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
     assert resumed.history.steps == full.history.steps  # per-step loss, gain, memory moments
     # per-epoch loss and validation recall, exactly (json: the untrained row's loss is NaN, and NaN != NaN)
     assert json.dumps(resumed.history.epochs) == json.dumps(full.history.epochs)
     assert resumed.summary() == full.summary()
+
+
+def _assert_same(got, expected, key: str) -> None:
+    if isinstance(expected, dict):
+        assert got.keys() == expected.keys(), key
+        for k in expected:
+            _assert_same(got[k], expected[k], f"{key}.{k}")
+    elif isinstance(expected, torch.Tensor):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=key)
+    else:
+        assert got == expected, key
 
 
 def _checkpoint_of(params) -> Path:
@@ -203,3 +214,20 @@ def test_checkpoint_records_the_params_hash_mlflow_tags_runs_with(tiny_params):
     path = _checkpoint_of(params)
     assert checkpoint_identity(path) == {"params_hash": params_hash(params), "flow_run_id": None, "epoch": 1}
     assert checkpoint_identity(path.with_name("absent.pt")) is None
+
+
+def test_the_oracle_trains_on_rows_no_older_than_its_refresh_and_reports_the_memorys_drift(tiny_params):
+    params = tiny_params("memory.method=oracle", "memory.oracle_every=2", "memory.exclude_self=true",
+                         "train.drift_every=1", "train.warmup_epochs=0")
+    prepare(params)
+    trainer = Trainer(params, progress=False)
+    summary = trainer.fit()
+    checks = [s for s in trainer.history.steps if s.get("memory_rows_checked")]
+    assert len(checks) == summary["iterations"]  # drift_every=1, log_every=1
+    # Refreshed before every other step, measured after each: a row is at most 2 steps old.
+    assert max(c["memory_age"] for c in checks) <= 2
+    assert all(c["stored_drift_mean"] == c["mapped_drift_mean"] for c in checks)  # the oracle maps nothing
+    header = Path("metrics/train_steps.csv").read_text().splitlines()[0].split(",")
+    assert {"stored_drift_mean", "mapped_drift_mean", "memory_age", "scale_median"} <= set(header)
+    written = json.loads(Path("metrics/train.json").read_text())["memory_drift"]
+    assert written["checks"] == len(checks) and written["memory_age"] <= 2

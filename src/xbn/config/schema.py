@@ -17,7 +17,9 @@ from xbn.config.errors import close_matches
 from xbn.config.tune_space import dimension_problem, key_problem
 
 DATASETS = ("glyphs", "cub", "cars196", "sop", "inshop", "deepfashion2", "folder", "csv")
-MEMORY_METHODS = ("none", "xbm", "xbn", "axbn", "ema", "axbn_auto")
+# oracle: a diagnostic (issue 42), not for production: every stored row re-embedded from its input by the current
+# model, i.e. a memory with no drift at all, the upper bound any drift correction can reach.
+MEMORY_METHODS = ("none", "xbm", "xbn", "axbn", "ema", "axbn_auto", "oracle")
 LAMBDA_KEY = "memory.kalman.r/q"  # tune.space's lambda = r/q of AXBN (tune.lambda_mode)
 
 
@@ -172,6 +174,9 @@ class MemoryConfig(Section):
     # When the memory joins the loss: after the head warm-up (seed 000 Sec. 5.1: the warm-up is plain SupCon on
     # the minibatch), or after this many epochs (0: from the first step).
     start: Literal["after_warmup"] | int = Field("after_warmup", union_mode="left_to_right")
+    # Steps after `start` before the memory joins (a late start: the official XBM code starts its memory at
+    # iteration 1,000, after the drift that follows the backbone's unfreezing).
+    delay_steps: int = Field(0, ge=0)
     # The minibatch loss added to the memory loss (issue 45): PML's memory detaches its rows, so without it a fresh
     # in-batch pair gets gradient through its query side only; measured better than none at batch 64 with it.
     add_batch_loss: bool = True
@@ -180,6 +185,14 @@ class MemoryConfig(Section):
     kalman: KalmanConfig = KalmanConfig()
     # axbn_auto: how fast the innovation statistics that set the process noise are averaged.
     innovation_momentum: float = Field(0.05, gt=0.0, le=1.0)
+    # An anchor never takes a stored row of its own image (an earlier augmented view) as a positive or negative.
+    exclude_self: bool = False
+    # The current batch's rows stay attached in the memory loss: fresh in-batch pairs get gradient through both
+    # sides, as without a memory (PML detaches the whole memory); an alternative to add_batch_loss.
+    attach_batch: bool = False
+    # oracle: re-embed every stored row every this many steps (bounds the cost on a CPU; rows are then up to
+    # oracle_every - 1 steps stale).
+    oracle_every: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _size_is_count_or_fraction(self):
@@ -281,6 +294,10 @@ class TrainConfig(Section):
     channels_last: Literal["auto"] | bool = Field("auto", union_mode="left_to_right")
     log_every: int = Field(10, ge=1)
     probe_size: int = Field(64, ge=2)
+    # The memory's own drift (seed 000 Sec. 5, Fig. 2): every drift_every steps, drift_rows fixed memory slots
+    # are re-embedded by the current model and compared with the stored (raw) and the mapped rows. 0: off.
+    drift_every: int = Field(100, ge=0)
+    drift_rows: int = Field(256, ge=1)
     # Where the weights start: pretrained (model.pretrained's ImageNet weights, then the head warm-up and
     # train.epochs), champion (the registry's champion, sha256-checked: train.finetune_epochs at train.lr, no
     # warm-up) or the path of an xbn model.pt.

@@ -16,6 +16,11 @@ removal). What it adds, written by hand because no library has it:
   non-finite update use one stacked tensor, and the diagnostics are reduced only when the trainer reads them.
 - The queue pointer and fill flag live in `state_dict` (PML keeps them as plain attributes, so a resumed run
   would silently differ).
+- Each row keeps its dataset index (`source_memory`), so `exclude_self` can keep an anchor from meeting an
+  earlier view of its own image, and `attach_batch` keeps the batch's own rows attached in the loss (issue 42).
+- A set of slots can keep their inputs (`StoredInputs`: the augmented view, uint8, and the row as written), so
+  the trainer can re-embed them with the current model: every slot for the drift-free oracle, a fixed sample for
+  the drift measurement (seed 000 Sec. 5, Fig. 2).
 - No step waits for the device: counters are Python ints, the diagnostics stay 0-d device tensors until the
   trainer logs them (every `train.log_every` steps), and the finiteness of the map is decided on the device.
   A non-finite update (a NaN gain, an inf in the batch or the memory's moments: any non-finite value among
@@ -42,9 +47,69 @@ CHECKED = ("batch_mean", "memory_mean", "batch_std", "memory_std", "scale", "shi
            "gain")
 
 
+class StoredInputs:
+    """The inputs of a fixed set of memory slots (issue 42), written by hand: the augmented view each row was
+    embedded from, as uint8 at the training size (de-normalised with the backbone's mean and std), the row as
+    it was written (before any map) and the training iteration that wrote it. Enough to re-embed those rows
+    with the current model (`CrossBatchMemory.reembed`, `stored_rows`)."""
+
+    def __init__(self, slots: torch.Tensor, memory_size: int, mean, std):
+        self.slots = torch.as_tensor(slots, dtype=torch.long).unique()  # sorted
+        self.position = torch.full((memory_size,), -1, dtype=torch.long)  # slot -> row here, -1 untracked
+        self.position[self.slots] = torch.arange(len(self.slots))
+        self.mean = torch.as_tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+        self.std = torch.as_tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+        self.inputs: torch.Tensor | None = None  # [S, C, H, W] uint8, allocated at the first write
+        self.raw: torch.Tensor | None = None  # [S, d]
+        self.written_at = torch.full((len(self.slots),), -1, dtype=torch.long)  # host: read to pick valid rows
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        mean, std = self.mean.to(images.device), self.std.to(images.device)
+        return (images.float() * std + mean).mul_(255).round_().clamp_(0, 255).to(torch.uint8)
+
+    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+        """The stored views of `rows` (positions here) as the model's normalised float input."""
+        u8 = self.inputs[rows.to(self.inputs.device)]
+        mean, std = self.mean.to(u8.device), self.std.to(u8.device)
+        return (u8.float().div_(255) - mean) / std
+
+    def write(self, batch_slots: torch.Tensor, images: torch.Tensor, rows: torch.Tensor, iteration: int) -> None:
+        """Keep the views and rows of the batch's tracked slots (`batch_slots`: a host tensor)."""
+        where = self.position[batch_slots]  # host tensors: no wait for the device
+        keep = (where >= 0).nonzero().flatten()
+        if not len(keep):
+            return
+        if self.inputs is None:
+            self.inputs = torch.zeros((len(self), *images.shape[1:]), dtype=torch.uint8, device=images.device)
+            self.raw = torch.zeros((len(self), rows.shape[1]), dtype=rows.dtype, device=rows.device)
+        at, keep_dev = where[keep].to(self.inputs.device), keep.to(images.device)
+        self.inputs[at] = self.encode(images[keep_dev])
+        self.raw[at] = rows[keep_dev].to(self.raw.dtype)
+        self.written_at[where[keep]] = iteration
+
+    def valid(self, num_valid: int) -> torch.Tensor:
+        """Positions here whose slot holds a row written with its input."""
+        return ((self.written_at >= 0) & (self.slots < num_valid)).nonzero().flatten()
+
+    def state(self) -> dict:
+        return {"slots": self.slots, "inputs": self.inputs, "raw": self.raw, "written_at": self.written_at}
+
+    def load(self, state: dict) -> None:
+        if not torch.equal(state["slots"].cpu(), self.slots):
+            raise ValueError("the checkpoint's memory tracked other slots (memory.size or train.drift_rows "
+                             "changed)")
+        self.inputs, self.raw, self.written_at = state["inputs"], state["raw"], state["written_at"].cpu()
+
+
 class CrossBatchMemory(pml_losses.CrossBatchMemory):
     """XBM with `moments=None` (rows kept as written); XBN, AXBN, EMA or auto-tuned AXBN with the matching
-    estimator from `moments.py` (`BatchMoments`, `KalmanMoments`, `EMAMoments`, `AdaptiveKalmanMoments`)."""
+    estimator from `moments.py` (`BatchMoments`, `KalmanMoments`, `EMAMoments`, `AdaptiveKalmanMoments`).
+
+    `exclude_self`: an anchor never meets a stored row of its own image (needs the batch's dataset indices,
+    `set_batch(sources=...)`). `attach_batch`: the batch's own rows keep their gradient in the loss."""
 
     def __init__(
         self,
@@ -54,12 +119,23 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         miner: nn.Module | None = None,
         moments: nn.Module | None = None,
         refresh_interval: int = 100,
+        exclude_self: bool = False,
+        attach_batch: bool = False,
     ):
         super().__init__(loss, embedding_size, memory_size=memory_size, miner=miner)
         self.moments = moments
         self.refresh_interval = refresh_interval
+        self.exclude_self, self.attach_batch = exclude_self, attach_batch
         self.register_buffer("row_sum", torch.zeros(embedding_size, dtype=torch.float64))
         self.register_buffer("row_sq_sum", torch.zeros(embedding_size, dtype=torch.float64))
+        # Each row's dataset index (-1: not known), and the batch's, set before each step by `set_batch`.
+        self.register_buffer("source_memory", torch.full((memory_size,), -1, dtype=torch.long))
+        self._batch_sources: torch.Tensor | None = None
+        self._batch_inputs: torch.Tensor | None = None
+        self.stored: StoredInputs | None = None  # `track_inputs`
+        # The per-dimension batch mean's sum and sum of squares over the steps since `take_batch_noise`.
+        self._batch_mean_sums: torch.Tensor | None = None
+        self._batch_mean_steps = 0
         self.adaptation_steps = 0  # memory updates seen with stored rows (drives the sums' refresh)
         self.iteration: int | None = None  # the training iteration, set by `Criterion`: named in errors
         # What the last update saw, reduced to `last_diagnostics` only when read (see there).
@@ -78,12 +154,93 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
             "queue_idx": int(self.queue_idx),
             "has_been_filled": bool(self.has_been_filled),
             "adaptation_steps": self.adaptation_steps,
+            "batch_mean_sums": self._batch_mean_sums, "batch_mean_steps": self._batch_mean_steps,
+            **({"stored": self.stored.state()} if self.stored is not None else {}),
         }
 
     def set_extra_state(self, state):
         self.queue_idx = int(state["queue_idx"])
         self.has_been_filled = bool(state["has_been_filled"])
         self.adaptation_steps = int(state["adaptation_steps"])
+        self._batch_mean_sums = state.get("batch_mean_sums")
+        self._batch_mean_steps = int(state.get("batch_mean_steps", 0))
+        if self.stored is not None and "stored" in state:
+            self.stored.load(state["stored"])
+
+    # -- what the memory knows of each row's input (issue 42) ---------------------------------------------
+    def set_batch(self, sources: torch.Tensor | None = None, inputs: torch.Tensor | None = None) -> None:
+        """The next batch's dataset indices and (normalised) input images, for `exclude_self` and the tracked
+        slots; used by the next forward only."""
+        self._batch_sources, self._batch_inputs = sources, inputs
+
+    def track_inputs(self, slots, mean, std) -> StoredInputs:
+        """Keep the inputs of `slots` from now on (`StoredInputs`; mean/std: the input normalisation)."""
+        self.stored = StoredInputs(slots, self.memory_size, mean, std)
+        return self.stored
+
+    @torch.no_grad()
+    def reembed(self, embed, iteration: int, chunk: int = 256) -> int:
+        """The oracle (issue 42): every tracked valid row becomes `embed(its stored input)`, the current model's
+        embedding of the same view, written as a fresh row at `iteration`; returns how many were re-embedded."""
+        rows = self.stored.valid(self.num_valid)
+        if not len(rows):
+            return 0
+        for part in rows.split(chunk):
+            fresh = embed(self.stored.decode(part)).to(self.embedding_memory.dtype)
+            slots = self.stored.slots[part].to(self.embedding_memory.device)
+            self.embedding_memory[slots] = fresh
+            self.stored.raw[part.to(self.stored.raw.device)] = fresh.to(self.stored.raw.dtype)
+            self.stored.written_at[part] = iteration
+        self.refresh_sums()
+        return len(rows)
+
+    def take_batch_noise(self) -> float | None:
+        """The spread of the per-dimension batch mean across the steps since the last call: the mean over
+        dimensions of its std (what Eq. 6's target moments carry as noise at a small batch); None before 2."""
+        sums, n = self._batch_mean_sums, self._batch_mean_steps
+        self._batch_mean_sums, self._batch_mean_steps = None, 0
+        if sums is None or n < 2:
+            return None
+        mean = sums[0] / n
+        return float(((sums[1] / n - mean * mean).clamp_min(0) * n / (n - 1)).sqrt().mean())
+
+    def last_scale(self) -> torch.Tensor | None:
+        """The last map's per-dimension scale (Eq. 6's sigma*/sigma[R]), None without an estimator."""
+        if self.moments is None or self._seen is None:
+            return None
+        return self._seen[1][0]
+
+    # -- the loss -------------------------------------------------------------------------------------------
+    def forward(self, embeddings, labels, indices_tuple=None, enqueue_mask=None):
+        try:
+            if not self.attach_batch or enqueue_mask is not None:
+                return super().forward(embeddings, labels, indices_tuple, enqueue_mask)
+            return self._attached_forward(embeddings, labels, indices_tuple)
+        finally:
+            self._batch_sources = self._batch_inputs = None
+
+    def _attached_forward(self, embeddings, labels, indices_tuple):
+        """PML's forward (no enqueue mask), but the loss's reference set holds the batch's live embeddings in the
+        slots just written, so a pair inside the batch gets gradient through both of its sides."""
+        self.reset_stats()
+        labels = labels.to(embeddings.device)
+        self.embedding_memory = self.embedding_memory.to(embeddings.device, embeddings.dtype)
+        self.label_memory = self.label_memory.to(embeddings.device, labels.dtype)
+        self.add_to_memory(embeddings, labels, len(embeddings))
+        n = self.num_valid
+        E_mem = self.embedding_memory[:n].index_put((self.curr_batch_idx,), embeddings)
+        L_mem = self.label_memory[:n]
+        indices_tuple = self.create_indices_tuple(embeddings, labels, E_mem, L_mem, indices_tuple, True)
+        return self.loss(embeddings, labels, indices_tuple, E_mem, L_mem)
+
+    def create_indices_tuple(self, embeddings, labels, E_mem, L_mem, input_indices_tuple,
+                             do_remove_self_comparisons):
+        indices = super().create_indices_tuple(embeddings, labels, E_mem, L_mem, input_indices_tuple,
+                                               do_remove_self_comparisons)
+        if not self.exclude_self or self._batch_sources is None or len(self._batch_sources) != len(embeddings):
+            return indices
+        return _without_own_image(indices, self._batch_sources.to(labels.device),
+                                  self.source_memory[: len(E_mem)])
 
     @property
     def num_valid(self) -> int:
@@ -138,7 +295,31 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
                     self._add_sums(dequeued_sums, -1)
             self.adaptation_steps += 1
         self._add_sums(batch_sums, 1)
+        self._count_batch_mean(batch_sums[0] / len(embeddings))
+        start = int(self.queue_idx)
         super().add_to_memory(embeddings, labels, batch_size)
+        self._write_sources(embeddings, start)
+
+    def _count_batch_mean(self, batch_mean: torch.Tensor) -> None:
+        if self._batch_mean_sums is None or self._batch_mean_sums.device != batch_mean.device:
+            self._batch_mean_sums = torch.zeros((2, len(batch_mean)), dtype=torch.float64,
+                                                device=batch_mean.device)
+            self._batch_mean_steps = 0
+        self._batch_mean_sums[0].add_(batch_mean)
+        self._batch_mean_sums[1].addcmul_(batch_mean, batch_mean)
+        self._batch_mean_steps += 1
+
+    def _write_sources(self, embeddings: torch.Tensor, start: int) -> None:
+        slots = self.curr_batch_idx
+        sources, inputs = self._batch_sources, self._batch_inputs
+        aligned = sources is not None and len(sources) == len(slots)
+        if self.source_memory.device != slots.device:
+            self.source_memory = self.source_memory.to(slots.device)
+        self.source_memory[slots] = sources.to(slots.device) if aligned else -1
+        if self.stored is not None and inputs is not None and len(inputs) == len(slots):
+            # The slots again, on the host (reading curr_batch_idx back would make the step wait for the GPU).
+            host_slots = torch.arange(start, start + len(slots)) % self.memory_size
+            self.stored.write(host_slots, inputs, embeddings, self.iteration or 0)
 
     def _move_state(self, device: torch.device) -> None:
         # PML moves the memory to the batch's device in forward(); the sums must follow it.
@@ -244,6 +425,21 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
             f"{report['batch_mean'] == 0}, memory moments finite: "
             f"{report['memory_mean'] + report['memory_std'] == 0}); the memory's rows were left as they were "
             f"from this update on")
+
+
+def _without_own_image(indices: tuple, batch_sources: torch.Tensor, memory_sources: torch.Tensor) -> tuple:
+    """Mined pairs (a1, p, a2, n) or triplets (a, p, n) without any whose memory row is of the anchor's own
+    image (same dataset index); unknown sources (-1) are kept."""
+    def other(anchors, refs):
+        own = memory_sources[refs]
+        return (own < 0) | (own != batch_sources[anchors])
+    if len(indices) == 4:
+        a1, p, a2, n = indices
+        keep_p, keep_n = other(a1, p), other(a2, n)
+        return a1[keep_p], p[keep_p], a2[keep_n], n[keep_n]
+    a, p, n = indices
+    keep = other(a, p) & other(a, n)
+    return a[keep], p[keep], n[keep]
 
 
 def _moments(row_sum: torch.Tensor, row_sq_sum: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

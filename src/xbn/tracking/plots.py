@@ -28,12 +28,15 @@ _STEP_PANELS = (
     ("Kalman gain", ("gain",)),
     ("memory std", ("memory_std", "batch_std")),
     ("feature drift", ("drift_mean", "drift_max")),
+    # seed 000 Fig. 2: the memory's rows against fresh embeddings of their inputs (issue 42)
+    ("memory drift", ("stored_drift_mean", "mapped_drift_mean")),
+    ("map scale", ("scale_min", "scale_median", "scale_max")),
 )
 
 
 def plot_training(epochs_csv: str | Path, steps_csv: str | Path, out_dir: str | Path) -> list[Path]:
     """Draw `training_curves.png` (loss and validation R@1 per epoch) and `memory_diagnostics.png` (Kalman
-    gain, memory std and feature drift per step) into `out_dir`; returns the files written."""
+    gain, memory std, feature drift, the memory's drift and the map's scale per step) into `out_dir`; returns the files written."""
     out_dir = Path(out_dir)
     written = []
     for csv, x, panels, name in (

@@ -59,7 +59,8 @@ def cross_batch_memory(loss: nn.Module, embedding_size: int, memory_size: int, m
     except ValueError as exc:
         raise ConfigError(f"memory: {exc}") from None
     return CrossBatchMemory(loss, embedding_size, memory_size=memory_size, miner=miner,
-                            moments=moments_for(config, embedding_size))
+                            moments=moments_for(config, embedding_size), exclude_self=config.exclude_self,
+                            attach_batch=config.attach_batch)
 
 
 def memory_rows(size: float, num_train_images: int, batch_size: int) -> int:
@@ -161,13 +162,20 @@ class Criterion(nn.Module):
                 pairs = None
         return self.loss(embeddings, labels, pairs)
 
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, sources: torch.Tensor | None = None,
+                inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """`sources`: the batch's dataset indices (`memory.exclude_self`); `inputs`: its images, kept for the
+        memory's tracked slots (the oracle and the drift measurement; one process only)."""
         embeddings = embeddings.float()  # the memory and its statistics stay float32 under autocast
         if (world_size := distributed.world_size()) > 1:
             embeddings = distributed.gather_rows(distributed.scale_grad(embeddings, world_size))
             labels = distributed.gather_rows(labels)
+            sources = None if sources is None else distributed.gather_rows(sources)
+            inputs = None
         use_memory = self.memory is not None and self.iteration >= self.start_iteration
         self.iteration += 1
+        if use_memory:
+            self.memory.set_batch(sources, inputs)
         if self.mpn_loss is not None:  # Intra-Batch replaces the batch ranking loss; a memory loss adds to it
             loss = self.mpn_loss(embeddings, labels)
             return loss + self.memory_loss(embeddings, labels) if use_memory else loss
@@ -196,10 +204,11 @@ class Criterion(nn.Module):
 
 
 def memory_start_iteration(params: Params, steps_per_epoch: int) -> int:
-    """The first iteration that uses the memory: `memory.start` epochs (or the head warm-up) of steps."""
+    """The first iteration that uses the memory: `memory.start` epochs (or the head warm-up) of steps, then
+    `memory.delay_steps` more."""
     start = params.memory.start
     epochs = params.train.warmup_epochs if start == "after_warmup" else start
-    return epochs * steps_per_epoch
+    return epochs * steps_per_epoch + params.memory.delay_steps
 
 
 def build_mpn_loss(params: Params, train_labels) -> nn.Module | None:
@@ -244,6 +253,7 @@ def build_criterion(params: Params, num_train_images: int, train_labels=None,
         rows = memory_rows(params.memory.size, num_train_images, params.train.batch_size)
         check_memory_fits(params.memory.size, rows, params.model.embedding_dim, num_train_images)
         memory = CrossBatchMemory(loss, params.model.embedding_dim, rows, miner=miner,
-                                          moments=build_moments(params))
+                                  moments=build_moments(params), exclude_self=params.memory.exclude_self,
+                                  attach_batch=params.memory.attach_batch)
     return Criterion(loss, miner, memory, memory_start_iteration(params, steps), params.memory.add_batch_loss,
                      mpn_loss=build_mpn_loss(params, train_labels))

@@ -93,6 +93,11 @@ def disagreement(facts: list[dict]) -> ConfigError | DatasetError | None:
 def state_digest(state: Mapping[str, Any]) -> str:
     """sha256 over a state dict's keys, tensors (dtype, shape and bytes) and other values (their repr)."""
     digest = hashlib.sha256()
+    _digest_into(digest, state)
+    return digest.hexdigest()
+
+
+def _digest_into(digest, state: Mapping[str, Any]) -> None:
     for key in sorted(state):
         value = state[key]
         digest.update(key.encode())
@@ -100,9 +105,10 @@ def state_digest(state: Mapping[str, Any]) -> str:
             tensor = value.detach().cpu().contiguous()
             digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
             digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(value, Mapping):  # extra state holding tensors (the memory's batch-mean sums)
+            _digest_into(digest, value)
         else:  # extra state: the queue pointer, the fill flag
             digest.update(repr(value).encode())
-    return digest.hexdigest()
 
 
 def compare_replicas(model: nn.Module, memory: nn.Module | None) -> dict | None:

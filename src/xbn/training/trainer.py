@@ -48,7 +48,7 @@ from xbn.training.criterion import Criterion, build_criterion
 from xbn.models import InitialWeights, build_embedder, save_embedder
 from xbn.models.mpn import save_mpn
 from xbn.training.batches import RankBatchSampler, RequestedBatches, SeededSamples
-from xbn.training.diagnostics import FeatureDrift
+from xbn.training.diagnostics import MEMORY_DRIFT_COLUMNS, FeatureDrift, memory_drift, summarize_memory_drift
 from xbn.training.memory_format import choose_channels_last
 from xbn.training.replicas import compare_replicas
 from xbn.utils.io import save_torch, write_csv, write_json
@@ -60,7 +60,7 @@ EpochCallback = Callable[[int, dict], None]
 
 # Fixed columns so the DVC plots find them whatever the memory method (empty where it does not apply).
 STEP_COLUMNS = ["iteration", "epoch", "loss", "lr", "drift_mean", "drift_max", "gain", "memory_mean", "memory_std",
-                "batch_mean", "batch_std", "scale"]
+                "batch_mean", "batch_std", "scale", *MEMORY_DRIFT_COLUMNS]
 
 
 class CheckpointMismatchError(ConfigError):
@@ -203,6 +203,7 @@ class Trainer:
 
         self.criterion: Criterion = build_criterion(p, len(train_set), train_labels,
                                                      steps_per_epoch=len(self.sampler)).to(self.device)
+        self.stored_inputs = self._track_memory_inputs()
         self.has_val = (self.manifest["split"] == "val").any()
         self.epoch = 0  # epochs completed
         self.iteration = 0
@@ -211,6 +212,38 @@ class Trainer:
         self.net: nn.Module = self.model  # what the training step calls: the model or its DDP wrapper
         self.window_steps = self.window_zero_loss = 0  # `train.stall`'s window of steps
         self.optimizer, self.scheduler = self._optimizer_for(0)
+
+    def _track_memory_inputs(self):
+        """The memory slots whose inputs are kept (issue 42): all of them for the oracle, a fixed sample of
+        `train.drift_rows` for the drift measurement (off under data parallelism: a rank sees its slice of
+        the batch only), none without a memory."""
+        memory, p = self.criterion.memory, self.params
+        if memory is None:
+            return None
+        if p.memory.method == "oracle":
+            if self.world_size > 1:
+                raise ConfigError("memory.method=oracle (a diagnostic) runs in one process only")
+            slots = torch.arange(memory.memory_size)
+        elif p.train.drift_every and self.world_size == 1:
+            slots = torch.linspace(0, memory.memory_size - 1, min(p.train.drift_rows, memory.memory_size)).long()
+        else:
+            return None
+        return memory.track_inputs(slots, self.data_config["mean"], self.data_config["std"])
+
+    @torch.no_grad()
+    def _embed_stored(self, images: torch.Tensor) -> torch.Tensor:
+        """The current model's embedding of stored memory inputs: no gradient, eval mode (BatchNorm as training
+        has it with model.freeze_bn), the training's memory format and autocast."""
+        images = images.to(self.device)
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with autocast(self.device, self.amp):
+                return self.model(images).float()
+        finally:
+            self.model.train(was_training)
 
     # -- phases ---------------------------------------------------------------------------------------------
     def _in_warmup(self, epoch: int) -> bool:
@@ -500,7 +533,7 @@ class Trainer:
                 self._record_skipped(missing)
                 if not len(labels):
                     continue
-            loss, embeddings = self.step(images, labels)
+            loss, embeddings = self.step(images, labels, indices)
             if hasattr(self.batches, "observe"):  # embedded samplers: refresh the bank with this batch
                 self.batches.observe(indices, embeddings.detach())
             self.iteration += 1
@@ -509,24 +542,30 @@ class Trainer:
             self._watch_steps(loss)
             if self.iteration % p.log_every == 0:
                 self.criterion.check_finite()
-                if self.is_main:
-                    self._log_step(losses[-1])
+            if self.is_main and (self.iteration % p.log_every == 0 or self._memory_drift_due()):
+                self._log_step(losses[-1])
             bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{self.optimizer.param_groups[0]['lr']:.2g}",
                             img_s=f"{seen / (time.perf_counter() - started):.0f}")
         self.throughput = seen / max(time.perf_counter() - started, 1e-9)
         self.criterion.check_finite()  # before the epoch's checkpoint is written
         return float(np.mean(losses)) if losses else float("nan")
 
-    def step(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, torch.Tensor]:
+    def step(self, images: torch.Tensor, labels: torch.Tensor,
+             indices: torch.Tensor | None = None) -> tuple[float, torch.Tensor]:
         """One optimisation step on a batch (the benchmarks time exactly this); returns the loss and the
-        embeddings. A non-finite loss stops before the update, so the weights stay the last good ones."""
+        embeddings. A non-finite loss stops before the update, so the weights stay the last good ones.
+        `indices`: the batch's dataset indices (`memory.exclude_self`)."""
         images = images.to(self.device, non_blocking=True)
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         labels = labels.to(self.device, non_blocking=True)
+        self._refresh_oracle()
         with autocast(self.device, self.amp):
             embeddings = self.net(images)
-        loss = self.criterion(embeddings, labels)  # the global batch's loss: the same value on every rank
+        sources = None if indices is None else indices.to(self.device, non_blocking=True)
+        inputs = images if self.stored_inputs is not None else None
+        # the global batch's loss: the same value on every rank
+        loss = self.criterion(embeddings, labels, sources=sources, inputs=inputs)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         # The step's one wait for the device, after the backward pass is queued: a non-finite loss must stop
@@ -539,6 +578,15 @@ class Trainer:
                 f"is {self.checkpoint_dir / 'last.pt'}")
         self.optimizer.step()
         return value, embeddings
+
+    def _refresh_oracle(self) -> None:
+        """memory.method=oracle: before every `memory.oracle_every`-th step with the memory, every stored row is
+        re-embedded from its input by the current model (a drift-free memory, up to oracle_every - 1 steps)."""
+        c = self.criterion
+        if self.params.memory.method != "oracle" or c.iteration < c.start_iteration:
+            return
+        if (c.iteration - c.start_iteration) % self.params.memory.oracle_every == 0:
+            c.memory.reembed(self._embed_stored, c.iteration)
 
     def _fill_bank(self) -> None:
         """The embedded sampler's initial bank: one pass over the training images with the eval transform
@@ -558,8 +606,21 @@ class Trainer:
         with autocast(self.device, self.amp):
             drift = self.drift.update(self.model, self.probe.to(self.device), self.iteration)
         row = {"iteration": self.iteration, "epoch": self.epoch + 1, "loss": loss,
-               "lr": self.optimizer.param_groups[0]["lr"], **drift, **self.criterion.diagnostics()}
+               "lr": self.optimizer.param_groups[0]["lr"], **drift, **self.criterion.diagnostics(),
+               **self._memory_drift()}
         self.history.steps.append(row)
+
+    def _memory_drift_due(self) -> bool:
+        every = self.params.train.drift_every
+        return bool(every) and self.stored_inputs is not None and self.iteration % every == 0
+
+    def _memory_drift(self) -> dict:
+        """Every `train.drift_every` steps (a step row of its own when it is not a logged step): the memory's own
+        drift (`memory_drift`)."""
+        if not self._memory_drift_due():
+            return {}
+        return memory_drift(self.criterion.memory, self._embed_stored, self.iteration,
+                            self.params.train.drift_rows)
 
     # -- outputs --------------------------------------------------------------------------------------------
     def summary(self) -> dict:
@@ -578,6 +639,7 @@ class Trainer:
             "channels_last": self.channels_last,  # and what chose it (train.channels_last, or auto's probe)
             **{k: v for k, v in self.memory_format.items() if k != "channels_last"},
             "warnings": list(self.history.warnings),
+            **({"memory_drift": drift} if (drift := summarize_memory_drift(self.history.steps)) else {}),
             **({"replicas": self.replicas} if self.replicas else {}),
         }
 
