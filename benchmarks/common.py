@@ -37,7 +37,7 @@ def machine_info(packages: tuple[str, ...] = ()) -> dict[str, Any]:
     run's provenance, with the load and dates, is added by `write_result`)."""
     info = provenance.cpu_info()
     try:
-        commit, dirty = provenance.git(provenance.REPO, "rev-parse", "HEAD").strip(), bool(provenance.dirty_paths())
+        commit, dirty = provenance.head(provenance.REPO), bool(provenance.dirty_paths())
     except (OSError, RuntimeError, subprocess.TimeoutExpired):
         commit, dirty = None, None
     return {

@@ -160,12 +160,13 @@ def _counts(frame) -> dict[str, dict[str, int]]:
             for s in ("train", "val", "test")}
 
 
-def run_overrides(data: list[str], method: list[str], batch: int, seed: int, run_dir: Path) -> list[str]:
+def run_overrides(data: list[str], method: list[str], batch: int, seed: int, run_dir: Path,
+                  device: str = "cpu") -> list[str]:
     """The run's overrides: the data and scale, the run's own, then the method's (`method`: a regime may turn
     the embedding-space metrics back on)."""
     return [
         *data, "memory.size=1.0",
-        f"train.batch_size={batch}", f"train.seed={seed}", "train.device=cpu",
+        f"train.batch_size={batch}", f"train.seed={seed}", f"train.device={device}",
         f"train.checkpoint_dir={run_dir / 'models'}", f"train.metrics_dir={run_dir / 'metrics'}",
         "train.log_every=1000", "data.num_workers=0",
         "eval.baseline=false", "eval.embedding_space=false", f"eval.output={run_dir / 'metrics' / 'eval.json'}",
@@ -214,6 +215,7 @@ def run_one(overrides: list[str], threads: int, params_file: Path) -> dict[str, 
             "untrained_val_recall@1": summary["untrained_val_recall@1"], "best_epoch": summary["best_epoch"],
             "iterations": summary["iterations"], "memory_rows": summary["memory_rows"], **extra,
             "train_s": round(train_s, 1), "loadavg_before": load[0], "loadavg_after": os.getloadavg()[0],
+            **({"gpu": torch.cuda.get_device_name()} if params.train.device.startswith("cuda") else {}),
             **({"variants": variants} if variants else {})}
 
 
@@ -331,6 +333,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--workers", type=int, default=2, help="runs in parallel (processes)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--device", default="cpu", help="train.device of every run (cuda: the workers share "
+                        "the GPU; each still decodes its images in its own process)")
     parser.add_argument("--resume", action="store_true", help="keep the runs already in the results file")
     parser.add_argument("--output", help="results/<output>.json (default: grid, grid_<regime>, +_quick)")
     parser.add_argument("--quick", action="store_true", help="2 methods, 1 seed, 1 epoch, glyphs only")
@@ -368,7 +372,7 @@ def main(argv: list[str]) -> int:
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(PACKAGES),
         "settings": {**{k: getattr(args, k) for k in ("datasets", "methods", "batches", "seeds", "workers",
-                                                     "threads", "regime", "quick")},
+                                                     "threads", "device", "regime", "quick")},
                      "regime": {"about": regime.about, "methods": {m: table[m] for m in args.methods}}
                      if regime else None,
                      # --resume with other datasets keeps the earlier ones' schedules and specs
@@ -410,7 +414,7 @@ def main(argv: list[str]) -> int:
                         steps = info["splits"]["train"]["images"] // batch  # the sampler's epoch, about
                         overrides = regime.overrides(method, steps, args.quick) if regime else METHODS[method]
                         jobs.append(({"dataset": dataset, "method": method, "batch": batch, "seed": seed},
-                                     run_overrides(data, overrides, batch, seed, run_dir)))
+                                     run_overrides(data, overrides, batch, seed, run_dir, args.device)))
         print(f"grid: {len(jobs)} runs on {args.workers} worker(s) x {args.threads} thread(s)", flush=True)
         context = multiprocessing.get_context("spawn")
         with futures.ProcessPoolExecutor(args.workers, mp_context=context) as pool:

@@ -1,7 +1,7 @@
 """Omniglot for the benchmarks: the background set exported once to PNG files, and a fixed class-disjoint split.
 
 Omniglot's background set (964 characters x 20 drawings, 105 x 105, `../shared/data/omniglot/
-images_background.npz`, not part of the project) is exported once to `images/<class>/<i>.png` in a cache folder
+images_background.npz` or `$XBN_OMNIGLOT_NPZ`, not part of the project) is exported once to `images/<class>/<i>.png` in a cache folder
 outside the repository (`~/.cache/xbn-bench/omniglot`, or `$XBN_BENCH_CACHE`), and a `path,label,split` label
 file (the project's `csv` dataset format) selects classes from a fixed split: 700 training characters (from
 which the project's own `carve_validation` takes the validation classes) and 264 test characters. Used by
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-NPZ = REPO.parent / "shared" / "data" / "omniglot" / "images_background.npz"
+NPZ = Path(os.environ.get("XBN_OMNIGLOT_NPZ", REPO.parent / "shared" / "data" / "omniglot" / "images_background.npz"))
 CACHE = Path(os.environ.get("XBN_BENCH_CACHE", Path.home() / ".cache" / "xbn-bench")) / "omniglot"
 SPLIT_SEED = 0
 TRAIN_CLASSES, TEST_CLASSES = 700, 264

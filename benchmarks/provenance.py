@@ -72,8 +72,21 @@ def git(repo: Path, *args: str) -> str:
     return out.stdout
 
 
+def copied_from(repo: Path = REPO) -> str | None:
+    """The commit a tree without its .git was copied from (the device tool sends the working tree only, so a
+    GPU run names the commit it was sent from in XBN_BENCH_COMMIT); None where the tree has its .git."""
+    return os.environ.get("XBN_BENCH_COMMIT") if not (repo / ".git").exists() else None
+
+
+def head(repo: Path = REPO) -> str:
+    return copied_from(repo) or git(repo, "rev-parse", "HEAD").strip()
+
+
 def dirty_paths(repo: Path = REPO) -> list[str]:
-    """Tracked files that differ from HEAD (staged or not), outside the benchmarks' outputs."""
+    """Tracked files that differ from HEAD (staged or not), outside the benchmarks' outputs; none for a copied
+    tree (`copied_from`: the sender's own check refused a dirty one)."""
+    if copied_from(repo):
+        return []
     lines = git(repo, "status", "--porcelain", "--untracked-files=no").splitlines()
     paths = [line[3:].split(" -> ")[-1] for line in lines if line.strip()]
     return [p for p in paths if not p.startswith(OUTPUTS)]
@@ -133,7 +146,7 @@ def begin(argv: list[str] | None = None, *, allow_dirty: bool = False, repo: Pat
         raise DirtyTreeError(
             f"the working tree differs from its commit ({shown}): a result would name a commit it did not "
             "measure. Commit first, or pass --allow-dirty to record it as dirty: true")
-    _current = Run(argv=list(sys.argv if argv is None else argv), commit=git(repo, "rev-parse", "HEAD").strip(),
+    _current = Run(argv=list(sys.argv if argv is None else argv), commit=head(repo),
                    dirty=bool(paths), dirty_paths=paths, started_utc=utc_now(),
                    loadavg_1min_before=round(os.getloadavg()[0], 2), machine=machine())
     return _current
