@@ -141,3 +141,14 @@ def test_drift_is_zero_for_an_unchanged_model_and_the_map_moves_rows_away(method
 def test_the_late_start_counts_steps_after_the_warm_up():
     params = load_params(ROOT / "params.yaml", ["train.warmup_epochs=2", "memory.delay_steps=1000"])
     assert memory_start_iteration(params, steps_per_epoch=30) == 1060
+
+
+def test_the_summary_says_whether_the_map_brought_the_rows_nearer():
+    from xbn.stages.summary import memory_drift_line
+
+    drift = {"checks": 27, "stored_drift_mean": 0.034, "mapped_drift_mean": 0.184, "stored_cosine": 0.9992,
+             "mapped_cosine": 0.9821, "memory_age": 7.4, "mapped_closer_fraction": 0.0}
+    line = memory_drift_line(drift, "xbn")
+    assert "stored rows 0.034" in line and "xbn's map left them farther (0.184" in line and "in 0%" in line
+    xbm = memory_drift_line({**drift, "mapped_drift_mean": 0.034, "mapped_cosine": 0.9992}, "xbm")
+    assert "map" not in xbm and "7 steps old" in xbm

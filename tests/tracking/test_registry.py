@@ -131,6 +131,9 @@ def test_register_twice_shows_the_interval_in_report_review_and_model_card(param
     assert "## Promotion gate" in card and f"{interval} vs champion v1" in card
     assert "| recall@1 * | 1.0000 | 1.0000 | +0.0000 |" in card  # on val, both models
     assert "## Test metrics (reporting only)" in card
+    # The trained loss, and where it departs from the paper (memory + the minibatch loss: the shipped default)
+    assert "- loss: SupConLoss against the xbn memory + SupConLoss on the minibatch" in card
+    assert "- departs from seed 000's XBN" in card
     text = review(params)
     assert f"challenger v2 gate: {interval} vs champion v1" in text
     assert "metrics above: split test, for reporting only. Promotion is decided on val" in text

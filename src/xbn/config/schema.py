@@ -177,8 +177,8 @@ class MemoryConfig(Section):
     # Steps after `start` before the memory joins (a late start: the official XBM code starts its memory at
     # iteration 1,000, after the drift that follows the backbone's unfreezing).
     delay_steps: int = Field(0, ge=0)
-    # The minibatch loss added to the memory loss (issue 45): PML's memory detaches its rows, so without it a fresh
-    # in-batch pair gets gradient through its query side only; measured better than none at batch 64 with it.
+    # The minibatch loss added to the memory loss (issue 45; the official XBM code's): measured better than none at
+    # batch 64 with it, worse without it; not for the two-sided gradient it restores (attach_batch: issue 42).
     add_batch_loss: bool = True
     # EMA (seed 000, App. C): estimate <- m * estimate + (1 - m) * batch; m = 0 is XBN, 0.1 the paper's best.
     ema_momentum: float = Field(0.1, ge=0.0, lt=1.0)

@@ -40,6 +40,12 @@ GATE_INTERVAL_TAG = "gate_interval"  # the comparison in short: `+0.0120 [-0.004
 # next register), then `decided_at` and `reason`; `previous_champion` is added when the version replaces a
 # champion. Everything else is in the model card and on the logged model (`Registry.record`). The set is pinned by tests/tracking/test_registry.py.
 
+# Issue 42: the card says where the trained loss departs from the paper it cites, and why (README, "Where xbn
+# departs from seed 000's XBN").
+DEPARTURE = ("- departs from seed 000's XBN, which takes the memory loss alone: the minibatch loss is added, as the "
+             "official XBM code does; alone, the memory loss never beat no memory at batch 64 on any set xbn "
+             "measured, and a drift-free memory did no better (docs/benchmarks.md, sections 6b and 14)")
+
 
 def review_table(params: Params, champion: ModelVersionInfo | None, other: ModelVersionInfo | None,
                  other_title: str) -> str:
@@ -144,6 +150,7 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
               f"`{version.tags.get('data_hash')}`{same}.", "", *data_lines(version),
               "", "## Key params", *(f"- `{k}`: {flat[k]}" for k in KEY_PARAMS if k in flat),
               f"- loss: {trained.loss_composition}",
+              *([DEPARTURE] if trained.memory.method != "none" and trained.memory.add_batch_loss else []),
               f"- starting weights: {weights_line(trained)}",
               f"- params hash: `{version.tags.get('params_hash')}`",
               f"- git commit: `{summary['tags'].get('git_commit', 'unknown')}`",

@@ -65,6 +65,8 @@ def summary_rows(params: Params) -> list[tuple[str, str]]:
         rows.append(("training", f"{train.get('epochs')} epochs, {train.get('iterations')} iterations, best epoch "
                                  f"{train.get('best_epoch')} (val R@1 {_num(best)})"
                                  + (f", {train['train_seconds']:.0f} s" if "train_seconds" in train else "")))
+        if drift := train.get("memory_drift"):  # seed 000 Fig. 2: did the map bring the stale rows nearer?
+            rows.append(("memory drift", memory_drift_line(drift, params.memory.method)))
         rows += [("WARNING", w.split("] ", 1)[-1]) for w in train.get("warnings") or []]
     rows.insert(next(i for i, (label, _) in enumerate(rows) if label == "data") + 1, ("memory", memory))
 
@@ -118,3 +120,15 @@ def summary_markdown(params: Params) -> str:
 
 def _num(value: Any) -> str:
     return "-" if value is None else f"{value:.4f}"
+
+
+def memory_drift_line(drift: dict, method: str) -> str:
+    """train.json's `memory_drift` in a sentence: how far the stored rows were from fresh embeddings of the same
+    views, and whether the map brought them nearer (metrics/train_steps.csv has every check)."""
+    line = (f"stored rows {drift['stored_drift_mean']:.3f} from fresh embeddings (cosine "
+            f"{drift['stored_cosine']:.4f}, {drift['memory_age']:.0f} steps old on average, {drift['checks']} checks)")
+    if drift["mapped_drift_mean"] != drift["stored_drift_mean"]:
+        nearer = "nearer" if drift["mapped_drift_mean"] < drift["stored_drift_mean"] else "farther"
+        line += (f"; {method}'s map left them {nearer} ({drift['mapped_drift_mean']:.3f}, cosine "
+                 f"{drift['mapped_cosine']:.4f}; nearer in {drift['mapped_closer_fraction']:.0%} of the checks)")
+    return line

@@ -52,8 +52,9 @@ def cross_batch_memory(loss: nn.Module, embedding_size: int, memory_size: int, m
         loss_fn = cross_batch_memory(losses.ContrastiveLoss(), embedding_size=128, memory_size=4096)
         loss = loss_fn(embeddings, labels)  # as PML's: the batch is enqueued, then compared with the memory
 
-    Like PML's, the memory side is detached, so xbn's pipeline also adds the loss on the batch alone
-    (`memory.add_batch_loss`); do the same in your loop: `loss_fn(e, y) + inner_loss(e, y)`."""
+    xbn's pipeline also adds the loss on the batch alone (`memory.add_batch_loss`): alone, the memory loss lost to
+    no memory in xbn's measurements (README, "When the memory helps"). Do the same in your loop:
+    `loss_fn(e, y) + inner_loss(e, y)`."""
     try:
         config = MemoryConfig.model_validate({**memory, "method": method})
     except ValueError as exc:
