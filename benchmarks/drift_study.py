@@ -136,12 +136,35 @@ def decisions(short: dict[str, Any] | None, long: dict[str, Any] | None, paired)
     return out
 
 
+def targets(short: dict[str, Any] | None, long: dict[str, Any] | None, paired) -> list[dict[str, Any]]:
+    """The issue's two targets: xbn >= none + 0.02 test R@1 in the long regime, the 95% paired interval above 0;
+    and Fig. 2's ordering (the mapped rows nearer fresh embeddings than the stored ones for most of training)."""
+    found = []
+    if long and _runs(long, 64, "xbn"):
+        d = paired(long, 64, "xbn")
+        found.append({"what": "long regime, batch 64: xbn - none test R@1, 95% paired interval above 0",
+                      "at_least": 0.02, "value": _cell(d).strip("*"),
+                      "verdict": "met" if d and d["mean"] >= 0.02 and d["low"] > 0 else "missed",
+                      "file": long["_file"]})
+    for title, data, batch in (("short, batch 16", short, 16), ("short, batch 64", short, 64),
+                               ("long, batch 64", long, 64)):
+        if data and (row := drift_row(data, batch, "xbn")):
+            found.append({"what": f"{title}: share of drift checks where XBN's mapped rows are nearer fresh "
+                                  "embeddings than the stored ones (Fig. 2)", "at_least": 0.5,
+                          "value": f"{row['mapped_closer_fraction']:.2f}",
+                          "verdict": "met" if row["mapped_closer_fraction"] > 0.5 else "missed",
+                          "file": data["_file"]})
+    return [t | {"section": "14"} for t in found]
+
+
 def render(short: dict[str, Any] | None, long: dict[str, Any] | None, header, paired_difference,
-           docs: Path) -> str:
-    """The section; `header(data)` and `paired_difference(runs, dataset, batch, method, baseline)` are
-    report.py's."""
+           docs: Path, cpu: dict[str, Any] | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """The section and its targets; `header(data)` and `paired_difference(runs, dataset, batch, method,
+    baseline)` are report.py's. `cpu`: the same short regime re-run on the CPU machine (a subset of the arms,
+    more seeds), a column of its own (runs pair only within one machine)."""
     regimes = [(f"short, batch {b}", short, b) for b in (16, 64) if short] + (
-        [("long, batch 64", long, 64)] if long else [])
+        [("long, batch 64", long, 64)] if long else []) + (
+        [(f"short, batch 64, CPU ({len({r['seed'] for r in cpu['runs']})} seeds)", cpu, 64)] if cpu else [])
 
     def paired(data, batch, method):
         dataset = data["runs"][0]["dataset"]
@@ -156,7 +179,7 @@ def render(short: dict[str, Any] | None, long: dict[str, Any] | None, header, pa
            "cell is test R@1 minus `none`'s, paired by seed, with its 95% interval (bold: it excludes 0). "
            "Arms without a star take the memory loss alone (seed 000's XBN); the late start joins after 2 of "
            "the 4 epochs in the short regime (it has fewer than 1,000 steps after the warm-up).", ""]
-    for data in (short, long):
+    for data in (short, long, cpu):
         if data:
             gpus = sorted({r["gpu"] for r in data["runs"] if r.get("gpu")})
             out += [header({**data, "gpu": ", ".join(gpus) or None}), ""]
@@ -201,4 +224,4 @@ def render(short: dict[str, Any] | None, long: dict[str, Any] | None, header, pa
     found = decisions(short, long, paired)
     if found:
         out += ["What the issue's rules say, applied to these numbers:", "", *found, ""]
-    return "\n".join(out)
+    return "\n".join(out), targets(short, long, paired)

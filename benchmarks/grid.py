@@ -219,6 +219,40 @@ def run_one(overrides: list[str], threads: int, params_file: Path) -> dict[str, 
             **({"variants": variants} if variants else {})}
 
 
+def plan(keys: list[dict[str, Any]], workers: int, cpu: str, device: str) -> dict[str, Any]:
+    """The grid's cost before it starts (issue 42: estimate first, write the plan with its hours in the results
+    file): each run's training time is the median `train_s` of earlier runs of the same dataset, batch and
+    method on this machine kind in any results file, else of the dataset and batch, else unknown; the
+    total assumes `workers` runs at once."""
+    import json
+
+    earlier = []
+    for path in RESULTS_DIR.glob("grid*.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        earlier += [r for r in data.get("runs", []) if "train_s" in r and r.get("cpu") == cpu
+                    and bool(r.get("gpu")) == device.startswith("cuda")]
+
+    def median(sel: list[dict[str, Any]]) -> float | None:
+        return statistics.median(r["train_s"] for r in sel) if sel else None
+
+    seconds, unknown = [], 0
+    for k in keys:
+        same = [r for r in earlier if (r["dataset"], r["batch"]) == (k["dataset"], k["batch"])]
+        s = median([r for r in same if r["method"] == k["method"]]) or median(same)
+        if s is None:
+            unknown += 1
+        else:
+            seconds.append(s)
+    total = sum(seconds) + unknown * statistics.mean(seconds) if seconds else None
+    return {"runs": len(keys), "workers": workers, "unknown_runs": unknown,
+            "estimated_hours": None if total is None else round(total / max(1, workers) / 3600, 2),
+            "basis": f"median train time of earlier runs on {cpu}{' with a GPU' if device.startswith('cuda') else ''}"
+                     f" ({len(keys) - unknown} of {len(keys)} runs estimated; evaluation not counted)"}
+
+
 def _drift_record(metrics_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     """Issue 42's traces of a run: val R@1 per epoch (a collapse shows as a dip), and where the run measured
     the memory's drift (train.drift_every), its summary and its series (iteration, stored and mapped distance
@@ -415,7 +449,9 @@ def main(argv: list[str]) -> int:
                         overrides = regime.overrides(method, steps, args.quick) if regime else METHODS[method]
                         jobs.append(({"dataset": dataset, "method": method, "batch": batch, "seed": seed},
                                      run_overrides(data, overrides, batch, seed, run_dir, args.device)))
-        print(f"grid: {len(jobs)} runs on {args.workers} worker(s) x {args.threads} thread(s)", flush=True)
+        result["plan"] = plan([key for key, _ in jobs], args.workers, result["machine"]["cpu"], args.device)
+        print(f"grid: {len(jobs)} runs on {args.workers} worker(s) x {args.threads} thread(s); estimated "
+              f"{result['plan']['estimated_hours']} h ({result['plan']['basis']})", flush=True)
         context = multiprocessing.get_context("spawn")
         with futures.ProcessPoolExecutor(args.workers, mp_context=context) as pool:
             pending = {pool.submit(run_one, overrides, args.threads, params_file): key for key, overrides in jobs}
