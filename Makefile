@@ -3,6 +3,8 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements/lock.txt pyproject.toml | cksum | cut -d' ' -f1)
+# The test tools (requirements/lock-dev.txt) on top: `make test` only, so `make run` installs the runtime set.
+DEV_STAMP := $(VENV)/.installed-dev-$(shell cat requirements/lock.txt requirements/lock-dev.txt pyproject.toml | cksum | cut -d' ' -f1)
 
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export GX_ANALYTICS_ENABLED ?= false
@@ -11,9 +13,11 @@ export DO_NOT_TRACK ?= 1
 # a concurrent client request reads, a race seen as KeyError '_MLFLOW_TELEMETRY_SESSION_ID' in the tests.
 export MLFLOW_DISABLE_TELEMETRY ?= true
 
-.PHONY: install run test bench clean
+.PHONY: install install-dev run test bench clean
 
 install: $(STAMP)
+
+install-dev: $(DEV_STAMP)
 
 $(STAMP): requirements/lock.txt pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: install Python 3.11 or run make PYTHON=/path/to/python3.11"; exit 1; }
@@ -23,6 +27,10 @@ $(STAMP): requirements/lock.txt pyproject.toml
 	$(BIN)/python -m pip install --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*; touch $@
 
+$(DEV_STAMP): $(STAMP) requirements/lock-dev.txt
+	$(BIN)/python -m pip install -r requirements/lock-dev.txt
+	rm -f $(VENV)/.installed-dev-*; touch $@
+
 # dvc runs each stage's `xbn` command, so the venv's bin goes first on PATH. Each stage prints a line or two;
 # `dvc repro -q` keeps DVC's own chatter (git hints) out, so on a failure of DVC itself, rerun without -q.
 run: install
@@ -30,11 +38,11 @@ run: install
 	'$(BIN)/dvc repro' to see DVC's own message)" >&2; exit 1; }
 	@$(BIN)/xbn summary
 
-test: install
+test: install-dev
 	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=20 tests
 
 # `make bench BENCH_ARGS="--quick --allow-dirty"`: the smoke variants, from a tree with uncommitted changes.
-bench: install
+bench: install-dev
 	$(BIN)/python -m benchmarks all $(BENCH_ARGS)
 
 clean:

@@ -57,3 +57,21 @@ def recomputed_recall_at_1(params, split: str, model_path: str | Path = "models/
     """R@1 of a saved model on a split, recomputed by `brute_force_recall_at_1`, to check a reported R@1
     against."""
     return brute_force_recall_at_1(*split_embeddings(params, split, model_path))
+
+
+def fresh_environment(venv: Path, with_pip: bool = False) -> Path:
+    """A new virtual environment without xbn, and its python: the dependencies are this environment's, added by
+    path (a .pth line does not run that folder's own .pth files, so the editable link to the checkout stays
+    out). A fresh download of the dependencies would be gigabytes of torch."""
+    import subprocess
+    import sys
+    import sysconfig
+
+    subprocess.run([sys.executable, "-m", "venv", *([] if with_pip else ["--without-pip"]), str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    (Path(site) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    missing = subprocess.run([str(python), "-c", "import xbn"], capture_output=True, text=True, cwd=venv)
+    assert missing.returncode != 0 and "No module named 'xbn'" in missing.stderr, missing.stderr
+    return python

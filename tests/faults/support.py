@@ -88,6 +88,17 @@ class PrivatePostgres:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def _read_chunked(reader) -> bytes:
+    """An HTTP/1.1 chunked request body (RFC 9112 7.1), trailers dropped."""
+    body = b""
+    while size := int(reader.readline().split(b";", 1)[0].strip() or b"0", 16):
+        body += reader.read(size)
+        reader.readline()  # the CRLF after the chunk
+    while reader.readline() not in (b"\r\n", b"\n", b""):
+        pass
+    return body
+
+
 class LosingProxy:
     """A loopback HTTP/1.1 proxy in front of the MLflow server. `lose_next(path)`: the next request to `path`
     reaches the server and is carried out, but its response never comes back (the connection is closed), as
@@ -125,14 +136,18 @@ class LosingProxy:
                 if not request_line:
                     return
                 method, target, _ = request_line.decode("latin-1").split(" ", 2)
-                headers, length = [], 0
+                headers, length, chunked = [], 0, False
                 while (line := reader.readline()) not in (b"\r\n", b"\n", b""):
                     name, _, value = line.decode("latin-1").partition(":")
                     if name.lower() == "content-length":
                         length = int(value)
-                    if name.lower() not in ("connection", "keep-alive"):
+                    chunked |= name.lower() == "transfer-encoding" and "chunked" in value.lower()
+                    if name.lower() not in ("connection", "keep-alive", "transfer-encoding"):
                         headers.append((name, value.strip()))
-                body = reader.read(length) if length else b""
+                # A chunked body (requests sends an empty file that way) goes upstream with its length.
+                body = _read_chunked(reader) if chunked else reader.read(length) if length else b""
+                if chunked:
+                    headers.append(("Content-Length", str(len(body))))
                 upstream = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=120)
                 try:
                     upstream.putrequest(method, target, skip_host=True, skip_accept_encoding=True)

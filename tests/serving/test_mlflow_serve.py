@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import yaml
 from infra.support import free_port, stop, tail, wait_http
+from tests_support import fresh_environment
 from tracking.helpers import run_pipeline, write_images, write_manifest
 
 from xbn.cli import main
@@ -93,3 +94,27 @@ def test_mlflow_models_serve_embeds_base64_images_as_xbn_embed(project, tmp_path
     # A bad image is answered in its row; the batch is not failed for it.
     assert rows[-1] == {"embedding": None,
                         "error": f"row {len(files)}: cannot read the image: not an image format PIL can identify"}
+
+    # The model carries xbn's code: it loads and embeds in a new environment without xbn, outside the checkout.
+    import mlflow
+
+    model = Path(mlflow.artifacts.download_artifacts(f"models:/{project.registry.model_name}/{report['version']}",
+                                                     dst_path=str(tmp_path / "downloaded"),
+                                                     tracking_uri=project.tracking.uri))
+    assert (model / "code" / "xbn" / "tracking" / "pyfunc.py").is_file()
+    python = fresh_environment(tmp_path / "venv")
+    script = (f"import json, mlflow.pyfunc, pandas as pd\n"
+              f"model = mlflow.pyfunc.load_model({str(model)!r})\n"
+              f"files = {[str(f) for f in files]!r}\n"
+              f"rows = model.predict(pd.DataFrame({{'image': [open(f, 'rb').read() for f in files]}}))\n"
+              f"import xbn\n"
+              f"print(json.dumps({{'xbn': xbn.__file__, 'embeddings': [list(map(float, e)) for e in rows['embedding']]}}))")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = subprocess.run([str(python), "-c", script], cwd=elsewhere, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert Path(loaded["xbn"]).is_relative_to(model / "code")  # the model's copy, not an installed xbn
+    assert np.abs(np.array(loaded["embeddings"], dtype=np.float32) - expected).max() <= 1e-5
+

@@ -9,6 +9,7 @@ import io
 from pathlib import Path
 
 import mlflow
+import mlflow.onnx
 import numpy as np
 import pandas as pd
 import pytest
@@ -170,6 +171,19 @@ def test_the_onnx_file_and_its_json_embed_as_the_pyfunc(params, logged, tmp_path
     expected = np.array(out[EMBEDDING].tolist(), dtype=np.float32)
     assert np.abs(got - expected).max() <= 1e-5  # measured 1.2e-7: the same pixels, float32 both sides
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+    # The same graph as an MLflow onnx model (what log_onnx logs in the version's run): loadable without xbn's
+    # code by mlflow.onnx and by the onnx pyfunc (onnxruntime), with the uint8 signature.
+    from xbn.serving.onnx_export import INPUT, save_mlflow_onnx
+
+    folder = save_mlflow_onnx(onnx_file, tmp_path / "mlflow_onnx")
+    assert mlflow.onnx.load_model(str(folder)).graph.input[0].name == INPUT
+    loaded = mlflow.pyfunc.load_model(str(folder))
+    inputs = loaded.metadata.get_input_schema().inputs
+    assert [(i.name, i.type, i.shape[1:]) for i in inputs] == [(INPUT, np.dtype("uint8"), tuple(rule["input"]["shape"][1:]))]
+    answer = loaded.predict(pixels)
+    via_pyfunc = np.asarray(next(iter(answer.values())) if isinstance(answer, dict) else answer, dtype=np.float32)
+    assert np.abs(via_pyfunc - got).max() <= 1e-6
 
 
 def test_a_version_logged_with_the_tensor_signature_still_predicts_on_tensors(params):

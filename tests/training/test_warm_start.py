@@ -3,7 +3,9 @@ head warm-up, starting from exactly its weights, and the new model.pt records it
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +18,12 @@ from xbn.stages.train import train
 def test_fine_tuning_starts_from_the_given_weights_and_records_its_parent(tiny_params, tmp_path):
     first = tiny_params()
     prepare(first)
-    train(first, progress=False)
+    result = train(first, progress=False)
+    # The stage's result: the report as a dict, where the outputs are, and the selected model on demand.
+    written = json.loads((tmp_path / "metrics/train.json").read_text())
+    assert isinstance(result, dict) and result == {k: v for k, v in written.items() if k != "train_seconds"}
+    assert result.model_path == Path("models/model.pt") and result.best_epoch == result["best_epoch"]
+    assert result.load_model().embedding_dim == first.model.embedding_dim
     parent = tmp_path / "parent"
     shutil.copytree("models", parent)
     parent_state = torch.load(parent / "model.pt", weights_only=True)

@@ -144,6 +144,29 @@ def onnx_metadata(path: str | Path) -> dict:
     return {p.key: json.loads(p.value) for p in proto.metadata_props}
 
 
+def save_mlflow_onnx(path: str | Path, target: str | Path) -> Path:
+    """The ONNX file at `path` as an MLflow `onnx` model folder at `target`, with the graph's own signature (uint8
+    pixels [N, S, S, 3] in, the embeddings out): what `mlflow.onnx.load_model`, `mlflow.pyfunc` (onnxruntime),
+    Triton and KServe load, the normalisation being inside the graph."""
+    import mlflow.onnx
+    import onnx
+    from mlflow.models import ModelSignature
+    from mlflow.types import Schema, TensorSpec
+
+    proto = onnx.load(str(path))
+
+    def spec(value) -> TensorSpec:
+        tensor = value.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") else -1 for d in tensor.shape.dim]
+        return TensorSpec(onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type), shape, value.name)
+
+    signature = ModelSignature(Schema([spec(v) for v in proto.graph.input]),
+                               Schema([spec(v) for v in proto.graph.output]))
+    mlflow.onnx.save_model(proto, str(target), signature=signature,
+                           metadata={k: v for k, v in onnx_metadata(path).items()})
+    return Path(target)
+
+
 def onnx_embed(path: str | Path, pixels: np.ndarray):
     """Embeddings of uint8 pixels [N, S, S, 3] (`ServedModel.pixels`) by onnxruntime on the CPU."""
     import onnxruntime as ort

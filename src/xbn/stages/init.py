@@ -1,13 +1,15 @@
 """`xbn init`: a params.yaml for one's own dataset, in the current folder, so that the rest is `xbn run`.
 
-The shipped params.yaml (with its comments) is the template when xbn runs from its checkout; installed
-elsewhere, the schema's defaults (the same values) are written. The dataset's keys and any `--set` are written
-into it in place, and the file is loaded back through the schema before it is kept.
+The shipped params.yaml, with its comments, is the template: the package carries it as data
+(`xbn/templates/params.yaml`, a link to the project's own file in the checkout, a copy in a wheel). The
+dataset's keys and any `--set` are written into it in place, and the file is loaded back through the schema
+before it is kept.
 """
 
 from __future__ import annotations
 
 import re
+from importlib.resources import files
 from pathlib import Path
 
 import yaml
@@ -15,13 +17,14 @@ import yaml
 from xbn.config import ConfigError, Params, apply_overrides, load_params
 from xbn.utils.io import write_text
 
-TEMPLATE = Path(__file__).resolve().parents[3] / "params.yaml"  # the checkout's, when there is one
+TEMPLATE = files("xbn") / "templates" / "params.yaml"
 _LINE = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z0-9_./@-]+):(?P<sep> *)(?P<value>[^#\n]*?)(?P<comment> +#.*)?$")
 
 
 def _template() -> str:
-    if TEMPLATE.exists():
+    if TEMPLATE.is_file():
         return TEMPLATE.read_text()
+    # A package built without its data (it should not happen; the schema's defaults are the same values)
     return yaml.safe_dump(Params().model_dump(mode="json"), sort_keys=False, width=120)
 
 

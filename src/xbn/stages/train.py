@@ -23,13 +23,45 @@ from xbn.utils.runtime import resolve_device
 log = logging.getLogger(__name__)
 
 
+class TrainingResult(dict):
+    """What `train` returns: the training report (`metrics/train.json`'s content; a dict, as it always was) and
+    where the training left its outputs, with the trained model on demand:
+
+        result = train(params)
+        result["best_val_recall@1"], result.best_epoch, result.model_path
+        model = result.load_model()  # the selected epoch's embedder, sha256-checked, in eval mode
+    """
+
+    def __init__(self, report: dict, params: Params):
+        super().__init__(report)
+        self.params = params
+        self.model_path = Path(params.train.checkpoint_dir) / "model.pt"  # the epoch chosen on validation
+        self.checkpoint_path = Path(params.train.checkpoint_dir) / "last.pt"  # resumable: `train(..., resume=True)`
+        self.metrics_dir = Path(params.train.metrics_dir)  # train.json, train_steps.csv, train_epochs.csv
+
+    @property
+    def best_epoch(self) -> int:
+        return int(self["best_epoch"])
+
+    def load_model(self, device: str = "cpu"):
+        """The selected epoch's `Embedder` (eval mode), checked against its sha256 sidecar."""
+        from xbn.models import load_embedder
+
+        return load_embedder(self.model_path, map_location=device)[0]
+
+
 def train(params: Params, resume: bool = False, progress: bool = True, params_file: str = "params.yaml",
-          on_epoch: EpochCallback | None = None, flow_run_id: str | None = None) -> dict:
+          on_epoch: EpochCallback | None = None, flow_run_id: str | None = None) -> TrainingResult:
     """Train the embedder of `params` on `data.manifest` (as `xbn train`): writes `models/model.pt` (the best
     epoch by validation R@1), `models/last.pt` and `metrics/train*.{json,csv}`, logs the run to MLflow when
-    `tracking.enabled`, and returns the training report (`metrics/train.json`'s content). `resume`: continue
-    from `models/last.pt`; `progress`: bars on stderr; `on_epoch`: called after each epoch with its metrics;
-    `flow_run_id`: the retrain flow run calling (recorded in the checkpoint; see `Trainer`)."""
+    `tracking.enabled`, and returns a `TrainingResult` (the report of `metrics/train.json`, the paths, the
+    model). `resume`: continue from `models/last.pt`; `progress`: bars on stderr; `on_epoch`: called after each
+    epoch with its metrics; `flow_run_id`: the retrain flow run calling (recorded in the checkpoint)."""
+    return TrainingResult(_train(params, resume, progress, params_file, on_epoch, flow_run_id), params)
+
+
+def _train(params: Params, resume: bool, progress: bool, params_file: str, on_epoch: EpochCallback | None,
+           flow_run_id: str | None) -> dict:
     with distributed.process_group(resolve_device(params.train.device).type):
         check_ranks_agree(params, resume)
         if distributed.world_size() > 1 and distributed.is_main():

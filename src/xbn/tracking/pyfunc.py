@@ -20,10 +20,11 @@ signature (a tensor signature) still predicts on such a batch.
 what a decoded upload may be), `path_root` (the folder `path` rows are read under; None: the `path` column
 is refused, so that a served endpoint does not read whatever file a client names).
 
-The model ships only the `models/model.pt` checkpoint as an artifact and rebuilds the network with
-`xbn.models.load_embedder`, so xbn must be installed where it is loaded (it is, wherever this project runs);
-torch and timm are imported only when the model is loaded, not when this module is. It is logged as a model
-from code (`_pyfunc_model.py`), so nothing is pickled.
+The model ships the `models/model.pt` checkpoint as an artifact and xbn's own code (`code_paths`: the installed
+package, copied), and rebuilds the network with `xbn.models.load_embedder`, so it loads wherever its pip
+requirements are installed, xbn or not (`mlflow models serve`, build-docker, KServe, MLServer); torch and timm
+are imported only when the model is loaded, not when this module is. It is logged as a model from code
+(`_pyfunc_model.py`), so nothing is pickled.
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ CHECKPOINT_SHA256 = "checkpoint_sha256"
 # Logged as a "model from code" (MLflow's recommended form): this file defines the model by importing xbn.
 MODEL_CODE = Path(__file__).with_name("_pyfunc_model.py")
 REGISTERED_MODEL_META = "registered_model_meta"  # mlflow.store.artifact.models_artifact_repo writes it
-_REQUIREMENTS = ("torch", "torchvision", "timm", "numpy", "pandas", "pillow", "pydantic", "mlflow")
+# What loading the model imports (xbn's code travels with it: `package_code`); faiss, scipy, pyarrow and tqdm
+# because the modules on the way import them at the top.
+_REQUIREMENTS = ("torch", "torchvision", "timm", "numpy", "pandas", "pillow", "pydantic", "pyyaml", "mlflow",
+                 "faiss-cpu", "scipy", "pyarrow", "tqdm", "filelock")
 
 IMAGE, PATH = "image", "path"  # input columns
 EMBEDDING, ERROR = "embedding", "error"  # output columns
@@ -244,9 +248,21 @@ None included: MLflow lets a load override only the keys a model was logged with
     }
 
 
+def package_code(folder: Path) -> Path:
+    """A copy of the installed xbn package under `folder` (without byte code), for the model's `code_paths`:
+    MLflow puts it on sys.path when it loads the model, so xbn need not be installed there."""
+    import shutil
+
+    import xbn
+
+    target = Path(folder) / "xbn"
+    shutil.copytree(Path(xbn.__file__).parent, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return target
+
+
 def pip_requirements() -> list[str]:
     """The installed versions of what the model needs. Given explicitly because MLflow would otherwise infer
-    them by loading the model in a subprocess (slow). xbn itself is not on PyPI and is left out."""
+    them by loading the model in a subprocess (slow). xbn itself travels as code (`package_code`)."""
     pins = []
     for name in _REQUIREMENTS:
         try:

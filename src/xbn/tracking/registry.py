@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import re
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -84,6 +85,9 @@ INDEX_RECALL_TAG = "index_recall_at_10"  # the index's recall@10 against exact s
 # `xbn catalogue`'s record: "<sha256 of the catalogue's rows>:<index_sha256 of the index built from them>"
 CATALOGUE_TAG = "catalogue_fingerprint"
 ONNX_SHA_TAG = "onnx_sha256"
+# The same graph as an MLflow `onnx` model (`runs:/<run>/onnx_model`, the version's run): loadable by
+# mlflow.onnx.load_model and onnxruntime without xbn.
+ONNX_MODEL_ARTIFACT, ONNX_MODEL_TAG = "onnx_model", "onnx_model_uri"
 
 
 @dataclass(frozen=True)
@@ -364,10 +368,19 @@ class Registry:
 
     def log_onnx(self, version: ModelVersionInfo, path: str | Path, *companions: str | Path) -> None:
         """Attach the ONNX export of `version`'s embedder and its `companions` (the preprocessing rule) under
-        `onnx/`, the ONNX file's sha256 as a version tag (the rule records it too)."""
+        `onnx/`, the ONNX file's sha256 as a version tag (the rule records it too); and log the same graph as
+        an MLflow `onnx` model in the version's run, its URI as the tag `onnx_model_uri`."""
+        from xbn.serving.onnx_export import save_mlflow_onnx
+
         for file in (*companions, path):
             self.client.log_model_artifact(self._logged_model(version), str(file), ONNX_ARTIFACT)
-        self.set_tags(version.version, {ONNX_SHA_TAG: file_digest(path)})
+        tags = {ONNX_SHA_TAG: file_digest(path)}
+        if version.run_id:
+            with tempfile.TemporaryDirectory(prefix="xbn-onnx-") as tmp:
+                folder = save_mlflow_onnx(path, Path(tmp) / ONNX_MODEL_ARTIFACT)
+                self.client.log_artifacts(version.run_id, str(folder), ONNX_MODEL_ARTIFACT)
+            tags[ONNX_MODEL_TAG] = f"runs:/{version.run_id}/{ONNX_MODEL_ARTIFACT}"
+        self.set_tags(version.version, tags)
 
     def _logged_model(self, version: ModelVersionInfo) -> str:
         model_id = _model_id(version.source)

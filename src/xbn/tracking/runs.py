@@ -21,6 +21,7 @@ import logging
 import math
 import numbers
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -252,9 +253,17 @@ def log_model(params: Params, run: PipelineRun, checkpoint: str | Path | None = 
     active = mlflow.active_run()
     if not (active and active.info.run_id == run.run_id):
         raise RuntimeError("log_model logs to the active run: call it inside `with pipeline_run(...)`")
-    info = mlflow.pyfunc.log_model(
+    with tempfile.TemporaryDirectory(prefix="xbn-code-") as code:
+        info = _log_pyfunc(params, checkpoint, sha, pyfunc.package_code(Path(code)))
+    client.log_batch(run.run_id, tags=as_tags({MODEL_URI_TAG: info.model_uri, MODEL_SHA_TAG: sha}))
+    return info.model_uri
+
+
+def _log_pyfunc(params: Params, checkpoint: Path, sha: str, code: Path):
+    return mlflow.pyfunc.log_model(
         name=MODEL_NAME,
         python_model=str(pyfunc.MODEL_CODE),
+        code_paths=[str(code)],  # xbn itself: the model loads where xbn is not installed
         artifacts={pyfunc.CHECKPOINT_ARTIFACT: str(checkpoint)},
         model_config=pyfunc.model_config(params, sha),
         signature=pyfunc.signature(),
@@ -264,8 +273,6 @@ def log_model(params: Params, run: PipelineRun, checkpoint: str | Path | None = 
                   "backbone": params.model.backbone, **_normalization(checkpoint)},
         tags={MODEL_SHA_TAG: sha},
     )
-    client.log_batch(run.run_id, tags=as_tags({MODEL_URI_TAG: info.model_uri, MODEL_SHA_TAG: sha}))
-    return info.model_uri
 
 
 def run_summary(run_id: str, params: Params) -> dict[str, Any]:
