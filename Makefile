@@ -13,7 +13,7 @@ export DO_NOT_TRACK ?= 1
 # a concurrent client request reads, a race seen as KeyError '_MLFLOW_TELEMETRY_SESSION_ID' in the tests.
 export MLFLOW_DISABLE_TELEMETRY ?= true
 
-.PHONY: install install-dev run test bench clean
+.PHONY: install install-dev run test lint bench clean
 
 install: $(STAMP)
 
@@ -37,6 +37,10 @@ run: install
 	@PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro -q || { echo "make run: dvc repro failed (run \
 	'$(BIN)/dvc repro' to see DVC's own message)" >&2; exit 1; }
 	@$(BIN)/xbn summary
+
+# ruff over the package and the flows' entrypoints (CI runs it before the tests: .ci/run).
+lint: install-dev
+	$(BIN)/ruff check src pipelines
 
 test: install-dev
 	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=20 tests

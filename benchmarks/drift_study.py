@@ -77,10 +77,10 @@ def figure(regimes: list[tuple[str, dict[str, Any], int]], path: Path) -> Path:
 
     fig, axes = plt.subplots(1, len(regimes), figsize=(5.2 * len(regimes), 3.6), squeeze=False)
     for ax, (title, data, batch) in zip(axes[0], regimes):
-        for method, column, label in (("xbm", "stored_drift_mean", "XBM rows"),
-                                      ("xbn", "stored_drift_mean", "XBN rows as written"),
-                                      ("xbn", "mapped_drift_mean", "XBN rows mapped (Eq. 6)"),
-                                      ("oracle", "stored_drift_mean", "oracle rows")):
+        for method, column, label, colour in (("xbm", "stored_drift_mean", "XBM rows", "C0"),
+                                              ("xbn", "stored_drift_mean", "XBN rows as written", "C1"),
+                                              ("xbn", "mapped_drift_mean", "XBN rows mapped (Eq. 6)", "C2"),
+                                              ("oracle", "stored_drift_mean", "oracle rows", "C3")):
             by_iteration: dict[int, list[float]] = {}
             for run in _runs(data, batch, method):
                 for s in run.get("drift_series", []):
@@ -88,7 +88,7 @@ def figure(regimes: list[tuple[str, dict[str, Any], int]], path: Path) -> Path:
                     by_iteration.setdefault(int(s["iteration"]), []).append(s[column])
             if by_iteration:
                 its = sorted(by_iteration)
-                ax.plot(its, [statistics.mean(by_iteration[i]) for i in its], label=label)
+                ax.plot(its, [statistics.mean(by_iteration[i]) for i in its], label=label, color=colour)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("iteration")
         ax.set_ylabel("distance to a fresh embedding")

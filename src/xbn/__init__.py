@@ -26,7 +26,7 @@ _EXPORTS = {
     "evaluate": "xbn.stages.evaluate",
     "embed": "xbn.stages.serve",
 }
-__all__ = ["__version__", *_EXPORTS]
+__all__ = ["__version__", *_EXPORTS]  # noqa: PLE0604 - the keys are strings
 
 
 def __getattr__(name: str):

@@ -10,6 +10,8 @@ import os
 import sys
 
 from xbn.config import ConfigError, Params, load_params
+from xbn.stages.loop import ORDER as LOOP_ORDER
+from xbn.utils.allocator import fix_malloc_thresholds
 from xbn.utils.errors import (
     EXIT_CONFIG,
     EXIT_DATA,
@@ -22,8 +24,6 @@ from xbn.utils.errors import (
     ServiceUnavailableError,
     TrainingStalledError,
 )
-from xbn.stages.loop import ORDER as LOOP_ORDER
-from xbn.utils.allocator import fix_malloc_thresholds
 from xbn.utils.locks import LockLost, RunBusy
 from xbn.utils.logs import configure_logging
 

@@ -118,3 +118,17 @@ def test_mlflow_models_serve_embeds_base64_images_as_xbn_embed(project, tmp_path
     assert Path(loaded["xbn"]).is_relative_to(model / "code")  # the model's copy, not an installed xbn
     assert np.abs(np.array(loaded["embeddings"], dtype=np.float32) - expected).max() <= 1e-5
 
+    # `xbn export` puts the same model on the version as an mlflow.onnx model: uint8 pixels in, no xbn needed.
+    import mlflow.onnx
+    from mlflow import MlflowClient
+
+    from xbn.stages.export import export
+
+    exported = export(project)
+    assert exported["version"] == report["version"]
+    tags = MlflowClient(project.tracking.uri).get_model_version(project.registry.model_name,
+                                                               str(report["version"])).tags
+    mlflow.set_tracking_uri(project.tracking.uri)
+    graph = mlflow.onnx.load_model(tags["onnx_model_uri"])
+    assert graph.graph.input[0].type.tensor_type.elem_type == 2  # onnx.TensorProto.UINT8
+

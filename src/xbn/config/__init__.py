@@ -9,9 +9,9 @@ from xbn.config.errors import ConfigError, close_matches
 from xbn.config.loading import flatten, load_params
 from xbn.config.overrides import apply_overrides
 from xbn.config.schema import (
+    BATCH_KEY,
     DATASETS,
     DEVICES,
-    BATCH_KEY,
     LAMBDA_KEY,
     MEMORY_METHODS,
     CatalogueConfig,

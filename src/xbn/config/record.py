@@ -15,7 +15,7 @@ changed before the stages after it), so it changes nothing there.
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +156,7 @@ def write_record(params: Params, stage: str, status: str, params_file: str | Pat
     kept = {s: info for s, info in (record.get("stages") or {}).items()
             if s in STAGES and STAGES.index(s) < STAGES.index(stage)}
     entry: dict[str, Any] = {"status": status, "overrides": list(overrides or []),
-                             "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+                             "at": datetime.now(UTC).isoformat(timespec="seconds")}
     if reason:
         entry["reason"] = reason.splitlines()[0][:300] if reason.strip() else reason
     out = {"schema": SCHEMA, "params_file": None if params_file is None else str(params_file),

@@ -3,6 +3,7 @@ by the keys it involves."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import types
@@ -136,7 +137,7 @@ class MpnConfig(Section):
     # Nodes of each test graph, the item included (k_r); null: the training batch size, as in the authors' code.
     test_size: int | None = Field(None, ge=2)
 
-    def resolved(self, dataset: str) -> "MpnConfig":
+    def resolved(self, dataset: str) -> MpnConfig:
         """A copy with every null of the network filled from the paper's setting for the dataset's family
         (the batch composition is resolved by `Params`, which also sees train's)."""
         layers, heads, temperature, *_ = MPN_PAPER_DEFAULTS[MPN_FAMILY.get(dataset, "cub")]
@@ -577,7 +578,7 @@ class IndexConfig(Section):
     @field_validator("k_factors")
     @classmethod
     def _ladder(cls, ladder: list[int]) -> list[int]:
-        if not ladder or ladder[0] < 1 or any(b <= a for a, b in zip(ladder, ladder[1:])):
+        if not ladder or ladder[0] < 1 or any(b <= a for a, b in itertools.pairwise(ladder)):
             # the key is named by the error's location (ConfigError: "index.k_factors: ...")
             raise ValueError("the k_factor ladder must be increasing whole numbers from 1 up, e.g. [1, 2, 4, 8]")
         return ladder

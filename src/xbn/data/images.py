@@ -87,7 +87,7 @@ def open_image(
         raise UnreadableImage(f"cannot read {name}: not an image format PIL can identify") from None
     except MemoryError:
         raise
-    except Exception as exc:  # noqa: BLE001 -- a plugin's header parser failing on the bytes: see module doc
+    except Exception as exc:
         raise UnreadableImage(f"cannot read {name}: {_reason(exc)}") from exc
     width, height = image.size
     if max_pixels is not None and width * height > max_pixels:
@@ -112,7 +112,7 @@ def decode(image: Image.Image, name: str = "image", min_side: int | None = None)
             return to_rgb(image)
     except MemoryError:
         raise
-    except Exception as exc:  # noqa: BLE001 -- a decoder failing on the bytes: see module doc
+    except Exception as exc:
         raise UnreadableImage(f"cannot read {name}: {_reason(exc)}") from exc
 
 
@@ -156,7 +156,7 @@ def _identify(source: str | Path | bytes) -> str | None:
     try:
         with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
             return image.format
-    except Exception:  # noqa: BLE001 -- only asked to name the format in a refusal: try the magic bytes
+    except Exception:  # noqa: BLE001, S110 -- only asked to name the format in a refusal: try the magic bytes
         pass
     try:
         prefix = source[:16] if isinstance(source, bytes) else Path(source).read_bytes()[:16]

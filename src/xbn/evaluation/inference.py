@@ -325,5 +325,17 @@ def inference_mode(params: Any, model: nn.Module, device: torch.device) -> Infer
     return mode
 
 
-__all__ = ["FLOAT32", "InferenceMode", "choose_inference_mode", "Compiled", "current", "decide", "fold_batch_norm",
-           "inference_mode", "probe", "resolve_compile", "run", "settled"]
+__all__ = [
+    "FLOAT32",
+    "Compiled",
+    "InferenceMode",
+    "choose_inference_mode",
+    "current",
+    "decide",
+    "fold_batch_norm",
+    "inference_mode",
+    "probe",
+    "resolve_compile",
+    "run",
+    "settled",
+]

@@ -27,8 +27,17 @@ from xbn.data import build_transform
 from xbn.data.images import UnreadableImage, open_rgb  # noqa: F401 -- UnreadableImage re-exported
 from xbn.data.transforms import eval_geometry
 from xbn.evaluation.embed import embed, image_loader
-from xbn.evaluation.inference import (FLOAT32, Compiled, InferenceMode, choose_inference_mode, fold_batch_norm,
-                                     probe_images, resolve_compile, run, settled)
+from xbn.evaluation.inference import (
+    FLOAT32,
+    Compiled,
+    InferenceMode,
+    choose_inference_mode,
+    fold_batch_norm,
+    probe_images,
+    resolve_compile,
+    run,
+    settled,
+)
 from xbn.models import load_embedder
 from xbn.utils.io import file_digest
 

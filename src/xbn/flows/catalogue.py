@@ -29,13 +29,13 @@ from pathlib import Path
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
-from prefect import flow, get_run_logger, task, unmapped  # noqa: E402
-from prefect.artifacts import create_markdown_artifact  # noqa: E402
-from prefect.futures import as_completed  # noqa: E402
+from prefect import flow, get_run_logger, task, unmapped
+from prefect.artifacts import create_markdown_artifact
+from prefect.futures import as_completed
 
-from xbn.flows.retrain import TASK_OPTIONS  # noqa: E402
-from xbn.config import ConfigError, Params, load_params  # noqa: E402
-from xbn.stages.catalogue import CataloguePlan, Shard  # noqa: E402
+from xbn.config import ConfigError, Params, load_params
+from xbn.flows.retrain import TASK_OPTIONS
+from xbn.stages.catalogue import CataloguePlan, Shard
 
 SCHEDULER_ENV = "DASK_SCHEDULER_ADDRESS"
 

@@ -38,17 +38,17 @@ from pathlib import Path
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
-from prefect import flow, get_run_logger, task  # noqa: E402
-from prefect.artifacts import create_markdown_artifact  # noqa: E402
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-from prefect.runtime import flow_run, task_run  # noqa: E402
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run, task_run
 
-from xbn.config import ConfigError, Params, load_params  # noqa: E402
-from xbn.data import DatasetError  # noqa: E402
-from xbn.stages.names import load_checked  # noqa: E402
-from xbn.utils.allocator import fix_malloc_thresholds  # noqa: E402
-from xbn.utils.errors import NonFiniteLossError, ServiceUnavailableError  # noqa: E402
-from xbn.utils.faults import fault_point  # noqa: E402
+from xbn.config import ConfigError, Params, load_params
+from xbn.data import DatasetError
+from xbn.stages.names import load_checked
+from xbn.utils.allocator import fix_malloc_thresholds
+from xbn.utils.errors import NonFiniteLossError, ServiceUnavailableError
+from xbn.utils.faults import fault_point
 
 DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00
 
@@ -79,7 +79,7 @@ def _recorded(stage: str, params: Params, run):
     return result
 
 
-TASK_OPTIONS = dict(retries=2, retry_delay_seconds=10, retry_condition_fn=_transient, cache_policy=NO_CACHE)
+TASK_OPTIONS = {"retries": 2, "retry_delay_seconds": 10, "retry_condition_fn": _transient, "cache_policy": NO_CACHE}
 
 
 @task(**TASK_OPTIONS)
@@ -207,12 +207,12 @@ def tune_study(params: Params) -> dict:
 
 # Hook arguments by these names: Prefect's runner (the worker) calls on_crashed with keywords (flow=, flow_run=,
 # state=) after the flow's process died, and a hook with other names failed with a TypeError, telling nobody.
-def _notify_failure(flow, flow_run, state) -> None:  # noqa: ARG001 - Prefect's hook signature
+def _notify_failure(flow, flow_run, state) -> None:
     """The flow's on_failure hook: runs once the flow has failed, after every task's retries."""
     _notify_end(flow_run, state, "FAILED", "failed after its retries")
 
 
-def _notify_crash(flow, flow_run, state) -> None:  # noqa: ARG001 - Prefect's hook signature
+def _notify_crash(flow, flow_run, state) -> None:
     """The flow's on_crashed hook: the process was killed (then the worker runs this hook), or Prefect lost it
     (a server restart that dropped its concurrency lease). A crashed run is not retried, so a person must hear of
     it as of a failure."""

@@ -15,8 +15,8 @@ import argparse
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 
-from xbn.flows.retrain import TASK_OPTIONS
 from xbn.config import Params
+from xbn.flows.retrain import TASK_OPTIONS
 from xbn.stages.names import load_checked
 from xbn.utils.allocator import fix_malloc_thresholds
 
@@ -46,10 +46,10 @@ def summary_markdown(summary: dict) -> str:
     baseline = "" if current.get("value") is None else f" (current params: {current['value']:.4f})"
     return "\n".join([
         f"# Tuning study `{summary['study']}`",
-        f"**Best:** trial {best['trial']}, validation R@1 {best['value']:.4f} at epoch {best['epoch']}"
-        f"{baseline}",
-        f"**Trials:** {trials.get('complete', 0)} complete, {trials.get('pruned', 0)} pruned, "
-        f"{trials.get('fail', 0)} failed of {trials['total']}",
+        (f"**Best:** trial {best['trial']}, validation R@1 {best['value']:.4f} at epoch {best['epoch']}"
+         f"{baseline}"),
+        (f"**Trials:** {trials.get('complete', 0)} complete, {trials.get('pruned', 0)} pruned, "
+         f"{trials.get('fail', 0)} failed of {trials['total']}"),
         "", *rows, "",
         *(importance if summary.get("importances") else ["(no parameter importances yet)"]), "",
         f"Written to `{summary.get('output')}`" + (f", merged into `{summary['applied_to']}`"

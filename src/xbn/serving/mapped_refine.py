@@ -61,7 +61,7 @@ def open_store(path: str | Path, rows: int, dim: int) -> np.ndarray:
     used); refuses a file whose header or size does not hold `rows` x `dim`, naming it."""
     path = Path(path)
     try:
-        fh = open(path, "rb")
+        fh = open(path, "rb")  # noqa: SIM115 - closed by the `with` below; opened alone to name a missing file
     except FileNotFoundError:
         raise StoreMismatch(f"{path}: the index's refine store is missing: rebuild the index") from None
     with fh:

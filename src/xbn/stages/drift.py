@@ -41,7 +41,7 @@ def drift_report(params: Params, checkpoint: str | Path, champion_version: int, 
     diff = diff_files(before, after)
     report: dict[str, Any] = {
         "champion_version": champion_version,
-        "images": {"champion": int(len(before)), "now": int(len(after))},
+        "images": {"champion": len(before), "now": len(after)},
         "classes": {"champion": int(before["label"].nunique()), "now": int(after["label"].nunique())},
         "changes": diff, "changes_line": diff_line(diff),
         "profile": {"champion": profile_before, "now": profile_after},
@@ -55,8 +55,8 @@ def drift_report(params: Params, checkpoint: str | Path, champion_version: int, 
         x, x_labels, y, y_labels = _embed(params, checkpoint, old, new)
         mmd2, p_value = mmd_permutation_test(x, y, cfg.permutations, cfg.seed)
         report["embedding"] = {"tested": True, "statistic": "MMD^2 (RBF kernel, median heuristic)",
-                               "mmd2": mmd2, "p_value": p_value, "old_images": int(len(x)),
-                               "new_images": int(len(y)), "permutations": cfg.permutations, "alpha": cfg.alpha}
+                               "mmd2": mmd2, "p_value": p_value, "old_images": len(x),
+                               "new_images": len(y), "permutations": cfg.permutations, "alpha": cfg.alpha}
         report["class_shift"] = class_shift(x, x_labels, y, y_labels)
         report["significant"] = bool(p_value < cfg.alpha)
     report["line"] = drift_line(report)

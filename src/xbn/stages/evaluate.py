@@ -10,8 +10,8 @@ from xbn.data import read_manifest
 from xbn.evaluation.embed import evaluate_split
 from xbn.evaluation.inference import inference_mode
 from xbn.models import build_embedder, load_embedder
-from xbn.utils.runtime import resolve_device, seed_everything
 from xbn.utils.io import write_csv, write_json
+from xbn.utils.runtime import resolve_device, seed_everything
 
 log = logging.getLogger(__name__)
 

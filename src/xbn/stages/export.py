@@ -1,16 +1,18 @@
 """`xbn export --format onnx`: models/model.pt as one ONNX file with a free batch axis (uint8 pixels in, the
 normalisation in the graph) and its preprocessing rule beside it (`<file>.json`), checked against torch on real
 catalogue images (max |diff| <= 1e-4) before they are kept, and attached to the model's registry version (under
-`onnx/`, the ONNX file's sha256 as the version tag `onnx_sha256`)."""
+`onnx/`, the ONNX file's sha256 as the version tag `onnx_sha256`), and logged as an `mlflow.onnx` model in the
+version's run (tag `onnx_model_uri`)."""
 
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from xbn.config import ConfigError, Params
-from xbn.serving.onnx_export import PARITY_ATOL, check_parity, export_onnx, rule_path
+from xbn.serving.onnx_export import PARITY_ATOL, check_parity, export_onnx, rule_path, save_mlflow_onnx
 from xbn.serving.sources import read_source
 from xbn.stages.index import local_model, registered_version
 
@@ -41,7 +43,9 @@ def export(params: Params, fmt: str = "onnx", output: str | None = None) -> dict
     if version is not None:
         from xbn.tracking import Registry
 
-        Registry(params).log_onnx(version, path, rule_path(path))
+        with tempfile.TemporaryDirectory(prefix="xbn-onnx-") as tmp:  # the graph as an mlflow.onnx model too
+            folder = save_mlflow_onnx(path, Path(tmp) / "onnx_model")
+            Registry(params).log_onnx(version, path, rule_path(path), mlflow_model=folder)
         report["version"] = version.version
     log.info("ONNX -> %s (parity max |diff| %.1e on %d images)", path, diff, len(images))
     return report

@@ -74,9 +74,8 @@ def index(params: Params, append: bool = False, shards: list[str] | None = None,
     }
     version = registered_version(params, sha)
     if version is not None:
-        from xbn.tracking import Registry
-
         from xbn.stages.register import complete_awaiting_index
+        from xbn.tracking import Registry
 
         Registry(params).log_index(version, params.index.output, recall)
         report["version"] = version.version

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from xbn.config import Params, RegistryConfig, flatten
@@ -15,7 +15,7 @@ from xbn.tracking.history import ChampionChange
 from xbn.tracking.runs import metric_key
 from xbn.tracking.services import mask_secrets
 
-# The params a reader of the model card wants first; the full set is in the run.
+
 def weights_line(trained: Params) -> str:
     """Where the backbone's weights came from, and what is known of their licence (README, "Licence")."""
     model = trained.model
@@ -28,6 +28,7 @@ def weights_line(trained: Params) -> str:
             "none": "random initialisation"}[model.pretrained]
 
 
+# The params a reader of the model card wants first; the full set is in the run.
 KEY_PARAMS = ("data.dataset", "data.image_size", "model.backbone", "model.pretrained", "model.embedding_dim",
               "memory.method", "memory.size", "memory.add_batch_loss", "loss.name", "loss.memvir.enabled",
               "train.epochs", "train.warmup_epochs", "train.lr", "train.batch_size", "train.samples_per_class", "train.seed")
@@ -128,8 +129,8 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
     lines += [f"**Gate settings:** {settings_line(version.gate_settings)}", ""]
     lines += gate_section(decision.comparison, version, cfg)
     lines += ["## Test metrics (reporting only)",
-              f"Split `{params.eval.split}`, from `{params.eval.output}`; never used to promote. The "
-              f"champion's values are from its own registration, possibly on other data.", "",
+              (f"Split `{params.eval.split}`, from `{params.eval.output}`; never used to promote. The "
+              f"champion's values are from its own registration, possibly on other data."), "",
               f"| metric | v{version.version} | {vs} | change |", "|---|---:|---:|---:|"]
     for name in _ordered(metrics.keys() | champ.keys(), cfg):
         mine, theirs = metrics.get(name), champ.get(name)
@@ -144,10 +145,10 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
         same = f" (champion: `{champion_hash}`)"
     flat = flatten(trained)
     lines += ["", "## Data",
-              f"{trained.data.dataset} at `{trained.data.root}`: promotion decided on split "
+              (f"{trained.data.dataset} at `{trained.data.root}`: promotion decided on split "
               f"`{cfg.gate_split}`, reported on split `{params.eval.split}`; manifest "
               f"`{trained.data.manifest}` md5 "
-              f"`{version.tags.get('data_hash')}`{same}.", "", *data_lines(version),
+              f"`{version.tags.get('data_hash')}`{same}."), "", *data_lines(version),
               "", "## Key params", *(f"- `{k}`: {flat[k]}" for k in KEY_PARAMS if k in flat),
               f"- loss: {trained.loss_composition}",
               *([DEPARTURE] if trained.memory.method != "none" and trained.memory.add_batch_loss else []),
@@ -174,8 +175,8 @@ def data_lines(version: ModelVersionInfo) -> list[str]:
     elif md5 == "unknown":
         lines = ["Images: no DVC snapshot was taken for this run (the retrain flow takes one)."]
     else:
-        lines = [f"Images: DVC md5 `{md5}` (the `.dvc` record is in the run's `data/` artifacts). Restore them "
-                 f"from the DVC remote with `xbn data restore --model-version {version.version} --to <empty folder>`."]
+        lines = [(f"Images: DVC md5 `{md5}` (the `.dvc` record is in the run's `data/` artifacts). Restore them "
+                 f"from the DVC remote with `xbn data restore --model-version {version.version} --to <empty folder>`.")]
     if parent := version.tags.get("parent_version"):
         lines.append(f"Fine-tuned from {'v' + parent if parent.isdigit() else parent} (train.init).")
     return lines
@@ -207,9 +208,9 @@ def gate_section(comparison: Comparison | None, version: ModelVersionInfo, cfg: 
     if comparison is None:
         return []
     c = comparison
-    lines = ["## Promotion gate", f"{c.interval()} vs champion v{c.champion_version}, seed {c.seed}: "
+    lines = ["## Promotion gate", (f"{c.interval()} vs champion v{c.champion_version}, seed {c.seed}: "
              f"mean(challenger - champion) of the per-query {c.metric} and its percentile interval; both "
-             f"models embedded on the current `{c.split}` rows.", "",
+             f"models embedded on the current `{c.split}` rows."), "",
              f"| metric on {c.split} | v{version.version} | champion v{c.champion_version} | change |",
              "|---|---:|---:|---:|"]
     mine, theirs = report_metrics(c.challenger, cfg), c.champion

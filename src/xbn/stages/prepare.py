@@ -31,7 +31,7 @@ def prepare(params: Params) -> dict:
     frame = carve_validation(frame, d.val_classes, seed=d.split_seed)
     write_manifest(frame, d.manifest)
     summary = {
-        split: {"images": int(len(part)), "classes": int(part["label"].nunique())}
+        split: {"images": len(part), "classes": int(part["label"].nunique())}
         for split, part in frame.groupby("split")
     }
     log.info("wrote %s: %s", d.manifest, summary)

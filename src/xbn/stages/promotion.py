@@ -36,9 +36,9 @@ from xbn.config import Params, RegistryConfig
 from xbn.evaluation.bootstrap import paired_bootstrap
 from xbn.tracking import ModelVersionInfo, Registry
 from xbn.tracking.history import ChampionChange, append_history, read_history
-from xbn.utils.faults import fault_point
-from xbn.utils.errors import IntegrityError, RegistryError
 from xbn.tracking.registry import SHA_TAG
+from xbn.utils.errors import IntegrityError, RegistryError
+from xbn.utils.faults import fault_point
 
 log = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ With `refine.enabled: false` the stage writes only a 'disabled' marker at `refin
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,8 +46,8 @@ from xbn.evaluation.inference import inference_mode
 from xbn.evaluation.knn import knn_search
 from xbn.evaluation.metrics import retrieval_metrics
 from xbn.models.refiner import ContextRefiner, load_refiner, save_refiner
-from xbn.utils.runtime import resolve_device, seed_everything
 from xbn.utils.io import file_digest, write_json
+from xbn.utils.runtime import resolve_device, seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ def pooled_contexts(views: Sequence[TrainSet], k: int, device: torch.device | st
     emb = torch.cat([torch.as_tensor(e, dtype=torch.float32) for e, _ in views]).to(device)
     offsets = np.cumsum([0] + [len(e) for e, _ in views])
     ctx = torch.cat([context_indices(emb[s:t], None, k, device=device) + int(s)
-                     for s, t in zip(offsets[:-1], offsets[1:])])
+                     for s, t in itertools.pairwise(offsets)])
     return emb, np.concatenate([np.asarray(y) for _, y in views]), ctx
 
 

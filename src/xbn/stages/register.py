@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import tempfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +61,9 @@ from xbn.tracking import (
     tracking_uri,
 )
 from xbn.tracking.history import append_history, read_history
-from xbn.tracking.services import wait_reachable
 from xbn.tracking.registry import PARENT_TAG, SERVED_TAG, SHA_TAG, log_refiner
 from xbn.tracking.runs import DATA_MD5_TAG
+from xbn.tracking.services import wait_reachable
 from xbn.utils.errors import IntegrityError, RegistryError
 from xbn.utils.faults import fault_point
 from xbn.utils.integrity import verify_sidecar
@@ -428,7 +428,7 @@ def trained_params(params: Params, checkpoint: Path) -> tuple[Params, str]:
 
 def _stamp(decision: str, reason: str, who: str) -> dict[str, str]:
     return {"decision": decision, "decided_by": who,
-            "decided_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "reason": reason}
+            "decided_at": datetime.now(UTC).isoformat(timespec="seconds"), "reason": reason}
 
 
 def _user(user: str | None) -> str:

@@ -101,8 +101,8 @@ def summary_rows(params: Params) -> list[tuple[str, str]]:
         uri = mask_secrets(os.environ.get("MLFLOW_TRACKING_URI") or params.tracking.uri)
         browse = (f"mlflow ui --backend-store-uri {uri}" if not uri.startswith(("http://", "https://"))
                   else uri)
-        rows.append(("runs", f"{browse}  (the retrieval grid is in the evaluate run's artifacts, "
-                             "plots/retrieval_grid.png)"))
+        rows.append(("runs", (f"{browse}  (the retrieval grid is in the evaluate run's artifacts, "
+                             "plots/retrieval_grid.png)")))
     return rows
 
 

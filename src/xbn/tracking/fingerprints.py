@@ -30,7 +30,7 @@ def git_commit(cwd: str | Path = ".") -> str | None:
     """The checked-out commit, or None outside a git repository (a read-only query)."""
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
-                             timeout=10)
+                             timeout=10, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     commit = out.stdout.strip()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
@@ -68,7 +68,7 @@ def append_history(registry: Registry, *, by: str, action: str, from_version: in
     history = read_history(registry) if history is None else history
     entry = ChampionChange(
         seq=(history[-1].seq + 1) if history else 1,
-        at=datetime.now(timezone.utc).isoformat(timespec="seconds"), by=by, action=action,
+        at=datetime.now(UTC).isoformat(timespec="seconds"), by=by, action=action,
         from_version=from_version, to_version=int(to_version), reason=reason[:_MAX_REASON], undoes=undoes)
     registry.check_lock()
     registry.client.set_registered_model_tag(registry.name, f"{HISTORY_TAG_PREFIX}{entry.seq:0{_SEQ_DIGITS}d}",

@@ -17,11 +17,10 @@ import contextlib
 import json
 import logging
 import re
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +33,14 @@ from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.tracking import MlflowClient
 
 from xbn.config import Params
+from xbn.data.snapshot import DATA_FILES, DATA_RECORD
 from xbn.tracking.fingerprints import file_digest
+from xbn.tracking.locks import DEFAULT_TIMEOUT_S, registry_lock
+from xbn.tracking.pyfunc import CHECKPOINT_ARTIFACT
+from xbn.tracking.runs import DATA_ARTIFACTS, PipelineRun, configure, metric_key, metric_name
 from xbn.utils.errors import IntegrityError
 from xbn.utils.integrity import verify_file, write_sidecar
 from xbn.utils.secrets import mask_secrets
-from xbn.tracking.locks import DEFAULT_TIMEOUT_S, registry_lock
-from xbn.tracking.pyfunc import CHECKPOINT_ARTIFACT
-from xbn.data.snapshot import DATA_FILES, DATA_RECORD
-from xbn.tracking.runs import DATA_ARTIFACTS, PipelineRun, configure, metric_key, metric_name
 
 METRIC_TAG_PREFIX = "metric."  # versions registered before: a version tag per metric (read, not written)
 log = logging.getLogger(__name__)
@@ -366,19 +365,16 @@ class Registry:
             return None
         return json.loads((folder / DATA_RECORD.name).read_text()), pd.read_parquet(folder / DATA_FILES.name)
 
-    def log_onnx(self, version: ModelVersionInfo, path: str | Path, *companions: str | Path) -> None:
+    def log_onnx(self, version: ModelVersionInfo, path: str | Path, *companions: str | Path,
+                 mlflow_model: str | Path | None = None) -> None:
         """Attach the ONNX export of `version`'s embedder and its `companions` (the preprocessing rule) under
-        `onnx/`, the ONNX file's sha256 as a version tag (the rule records it too); and log the same graph as
-        an MLflow `onnx` model in the version's run, its URI as the tag `onnx_model_uri`."""
-        from xbn.serving.onnx_export import save_mlflow_onnx
-
+        `onnx/`, the ONNX file's sha256 as a version tag (the rule records it too); and `mlflow_model`, the same
+        graph as an MLflow `onnx` model folder, in the version's run, its URI as the tag `onnx_model_uri`."""
         for file in (*companions, path):
             self.client.log_model_artifact(self._logged_model(version), str(file), ONNX_ARTIFACT)
         tags = {ONNX_SHA_TAG: file_digest(path)}
-        if version.run_id:
-            with tempfile.TemporaryDirectory(prefix="xbn-onnx-") as tmp:
-                folder = save_mlflow_onnx(path, Path(tmp) / ONNX_MODEL_ARTIFACT)
-                self.client.log_artifacts(version.run_id, str(folder), ONNX_MODEL_ARTIFACT)
+        if mlflow_model is not None and version.run_id:
+            self.client.log_artifacts(version.run_id, str(mlflow_model), ONNX_MODEL_ARTIFACT)
             tags[ONNX_MODEL_TAG] = f"runs:/{version.run_id}/{ONNX_MODEL_ARTIFACT}"
         self.set_tags(version.version, tags)
 
@@ -395,7 +391,7 @@ class Registry:
             self.client.set_model_version_tag(self.name, str(version), key, str(value))
 
     def _info(self, mv) -> ModelVersionInfo:
-        created = datetime.fromtimestamp(mv.creation_timestamp / 1000, tz=timezone.utc)
+        created = datetime.fromtimestamp(mv.creation_timestamp / 1000, tz=UTC)
         tags = dict(mv.tags or {})
         metrics, gate, settings = self._recorded(mv.model_id or _model_id(mv.source))
         if not metrics:  # registered before: one version tag per metric

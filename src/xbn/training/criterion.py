@@ -11,13 +11,13 @@ import torch
 from pytorch_metric_learning.losses import GenericPairLoss, NTXentLoss, SupConLoss
 from torch import nn
 
-from xbn.utils import distributed
 from xbn.config import ConfigError, Params
 from xbn.config.schema import MemoryConfig
 from xbn.losses import build_loss, build_miner
 from xbn.losses.memvir import MemVir
 from xbn.losses.rho import RhoRegularizedMiner
 from xbn.memory import AdaptiveKalmanMoments, BatchMoments, CrossBatchMemory, EMAMoments, KalmanMoments
+from xbn.utils import distributed
 
 __all__ = ["Criterion", "available_memory", "build_criterion", "build_moments", "build_mpn_loss",
            "check_memory_fits", "cross_batch_memory", "memory_rows", "memory_start_iteration", "moments_for"]

@@ -24,9 +24,9 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -35,8 +35,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from xbn.utils import distributed
-from xbn.utils.errors import NonFiniteLossError, TrainingStalledError
 from xbn.config import ConfigError, Params, flatten
 from xbn.data import DatasetError, ImageDataset, build_transform, encode_labels, read_manifest
 from xbn.data.dataset import collate_skipping, loader_worker_init
@@ -44,13 +42,15 @@ from xbn.data.samplers import build_batch_sampler
 from xbn.evaluation.embed import autocast, evaluate_split, image_loader
 from xbn.evaluation.embed import embed as embed_images
 from xbn.evaluation.inference import InferenceMode
-from xbn.training.criterion import Criterion, build_criterion
 from xbn.models import InitialWeights, build_embedder, save_embedder
 from xbn.models.mpn import save_mpn
 from xbn.training.batches import RankBatchSampler, RequestedBatches, SeededSamples
+from xbn.training.criterion import Criterion, build_criterion
 from xbn.training.diagnostics import MEMORY_DRIFT_COLUMNS, FeatureDrift, memory_drift, summarize_memory_drift
 from xbn.training.memory_format import choose_channels_last
 from xbn.training.replicas import compare_replicas
+from xbn.utils import distributed
+from xbn.utils.errors import NonFiniteLossError, TrainingStalledError
 from xbn.utils.io import save_torch, write_csv, write_json
 from xbn.utils.runtime import resolve_device, seed_everything
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
-from optuna.storages import BaseStorage, JournalStorage, RDBStorage
 from filelock import FileLock
+from optuna.storages import BaseStorage, JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend
 
 from xbn.config import ConfigError, TuneConfig

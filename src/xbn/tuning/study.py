@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import optuna
 from optuna.storages import BaseStorage
@@ -240,7 +240,7 @@ class _Heartbeat:
         while not self._stop.wait(self.storage.get_heartbeat_interval()):
             self.storage.record_heartbeat(self.trial_id)
 
-    def __enter__(self) -> _Heartbeat:
+    def __enter__(self) -> Self:
         if self._thread is not None:
             self._thread.start()
         return self

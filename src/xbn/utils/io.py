@@ -18,9 +18,9 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
-
+from typing import Any
 
 _HOST = socket.gethostname()
 _LIVE: set[Path] = set()  # temp files this process is writing now (any thread)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
+
 class _ConsoleFormatter(logging.Formatter):
     """xbn's INFO lines as plain sentences; warnings and errors (and everything under -v) with their source."""
 

@@ -68,7 +68,7 @@ def _inspect(rel: object, root: Path) -> _ImageFacts:
             facts.width, facts.height = image.size
             facts.mode = image.mode
         facts.decodes = True
-    except Exception as exc:  # PIL raises many types (OSError, SyntaxError, ValueError, DecompressionBomb...)
+    except Exception as exc:  # noqa: BLE001 - PIL raises many types (OSError, SyntaxError, ValueError, DecompressionBomb...)
         facts.decodes, facts.decode_error = False, f"{type(exc).__name__}: {exc}"
     return facts
 

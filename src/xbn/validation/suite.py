@@ -200,10 +200,10 @@ def _outcome(check: _Check, gx_result: Any, table: pd.DataFrame) -> ExpectationO
 
 
 def _summary(frame: pd.DataFrame) -> dict[str, Any]:
-    summary: dict[str, Any] = {"rows": int(len(frame))}
+    summary: dict[str, Any] = {"rows": len(frame)}
     if {"label", "split"} <= set(frame):
         summary["splits"] = {
-            str(split): {"images": int(len(part)), "classes": int(part["label"].nunique())}
+            str(split): {"images": len(part), "classes": int(part["label"].nunique())}
             for split, part in frame.groupby("split", sort=False)
         }
     if {"width", "height", "mode"} <= set(frame):

@@ -36,7 +36,7 @@ def _box(item: dict[str, Any], where: str) -> Box:
     box = item.get("bounding_box")
     if not isinstance(box, list) or len(box) != 4 or not all(isinstance(v, (int, float)) for v in box):
         raise DatasetError(f"{where}: 'bounding_box' must be [x1, y1, x2, y2], got {box!r}")
-    x1, y1, x2, y2 = (int(round(v)) for v in box)
+    x1, y1, x2, y2 = (round(v) for v in box)
     return check_box((x1, y1, x2, y2), where, None)
 
 
