@@ -71,3 +71,14 @@ def test_the_interval_is_the_percentile_interval_of_the_resampled_means(monkeypa
 def test_bad_input_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         paired_bootstrap(**kwargs)
+
+
+def test_the_interval_is_the_percentiles_of_the_resampled_means_the_gate_draws():
+    from xbn.evaluation.bootstrap import bootstrap_means
+
+    rng = np.random.default_rng(3)
+    a, b = rng.random(300) < 0.7, rng.random(300) < 0.6
+    diff, means = bootstrap_means(a, b, resamples=500, seed=4)
+    assert len(means) == 500 and diff.mean() == pytest.approx(a.mean() - b.mean())
+    got = paired_bootstrap(a, b, resamples=500, confidence=0.9, seed=4)
+    assert (got.low, got.high) == tuple(np.quantile(means, [0.05, 0.95]))

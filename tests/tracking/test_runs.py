@@ -52,6 +52,10 @@ def test_a_pipeline_run_logs_params_metrics_and_artifacts(params):
     image = Path("img.png")
     Image.new("RGB", (8, 8), "gray").save(image)
     retrieval_grid([image], ["a"], [[image, image]], [["a", "b"]], "plots/retrieval_grid.png")
+    folder = Path(params.eval.output).parent  # what the evaluate stage writes beside eval.json
+    write_csv(folder / "recall_at_k.csv", [{"k": k, "recall": r} for k, r in ((1, 0.5), (2, 0.6), (4, 0.8))])
+    write_csv(folder / "spectrum.csv", [{"index": i, "singular_value": 1 / i, "normalized": 0.5 / i}
+                                        for i in range(1, 9)])
 
     with pipeline_run(params, "train", new=True) as run:  # the train stage
         log_epoch = epoch_logger(run)
@@ -79,7 +83,7 @@ def test_a_pipeline_run_logs_params_metrics_and_artifacts(params):
     folders = ("", "plots", "metrics", "validation")
     artifacts = {f.path for d in folders for f in client.list_artifacts(run.run_id, d)}
     assert {"params.yaml", "params.resolved.yaml", "plots/training_curves.png",
-            "plots/memory_diagnostics.png", "plots/retrieval_grid.png", "metrics/eval.json",
+            "plots/memory_diagnostics.png", "plots/retrieval_grid.png", "plots/evaluation.png", "metrics/eval.json",
             "metrics/train.json",
             "validation/validation.json"} <= artifacts
     assert logged["model_uri"].startswith("models:/")

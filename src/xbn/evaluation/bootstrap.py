@@ -36,6 +36,21 @@ def paired_bootstrap(a: Any, b: Any, resamples: int = 1000, confidence: float = 
     `a`, `b`: per-query scores of the two models on the same queries, in the same order (bools or numbers).
     Reproducible for a given `seed` (numpy's default generator). Identical vectors give (0, 0, 0).
     """
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence!r}")
+    return percentile_interval(*bootstrap_means(a, b, resamples, seed), confidence)
+
+
+def percentile_interval(diff: np.ndarray, means: np.ndarray, confidence: float) -> PairedInterval:
+    """mean(diff) and the `confidence` percentile interval of the resampled `means`."""
+    tail = (1.0 - confidence) / 2.0
+    low, high = np.quantile(means, [tail, 1.0 - tail])
+    return PairedInterval(float(diff.mean()), float(low), float(high))
+
+
+def bootstrap_means(a: Any, b: Any, resamples: int = 1000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The per-query differences a - b and the means of `resamples` paired resamples of them (the bootstrap
+    distribution `paired_bootstrap` takes its interval from, and the gate's figure draws)."""
     a, b = _scores(a, "a"), _scores(b, "b")
     if a.shape != b.shape:
         raise ValueError(f"a and b must score the same queries: got {len(a)} and {len(b)} scores")
@@ -43,8 +58,6 @@ def paired_bootstrap(a: Any, b: Any, resamples: int = 1000, confidence: float = 
         raise ValueError("no queries to compare")
     if isinstance(resamples, bool) or int(resamples) != resamples or resamples < 1:
         raise ValueError(f"resamples must be a positive integer, got {resamples!r}")
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence!r}")
     diff = a - b
     n, resamples = len(diff), int(resamples)
     rng = np.random.default_rng(seed)
@@ -53,9 +66,7 @@ def paired_bootstrap(a: Any, b: Any, resamples: int = 1000, confidence: float = 
     for start in range(0, resamples, block):
         rows = min(block, resamples - start)
         means[start:start + rows] = diff[rng.integers(0, n, size=(rows, n))].mean(axis=1)
-    tail = (1.0 - confidence) / 2.0
-    low, high = np.quantile(means, [tail, 1.0 - tail])
-    return PairedInterval(float(diff.mean()), float(low), float(high))
+    return diff, means
 
 
 def _scores(values: Any, name: str) -> np.ndarray:

@@ -161,9 +161,11 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
         ui = mask_secrets(run.tracking_uri).rstrip("/")  # the card is public to every registry reader
         lines.append(f"- run in the UI: {ui}/#/experiments/{run.experiment_id}"
                      f"/runs/{run.run_id}")
-    grid = "plots/retrieval_grid.png"
-    lines.append(f"- retrieval grid: {summary['artifact_uri']}/{grid}" if grid in summary["artifacts"]
-                 else "- retrieval grid: not logged for this run")
+    for name, what in (("plots/retrieval_grid.png", "retrieval grid"),
+                       ("plots/gate_bootstrap.png", "the gate's bootstrap distribution"),
+                       ("plots/evaluation.png", "recall@k and the embedding spectrum")):
+        lines.append(f"- {what}: {summary['artifact_uri']}/{name}" if name in summary["artifacts"]
+                     else f"- {what}: not logged for this run")
     return "\n".join(lines) + "\n"
 
 

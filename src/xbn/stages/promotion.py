@@ -26,14 +26,14 @@ from __future__ import annotations
 import logging
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from xbn.config import Params, RegistryConfig
-from xbn.evaluation.bootstrap import paired_bootstrap
+from xbn.evaluation.bootstrap import bootstrap_means, percentile_interval
 from xbn.tracking import ModelVersionInfo, Registry
 from xbn.tracking.history import ChampionChange, append_history, read_history
 from xbn.tracking.registry import SHA_TAG
@@ -77,6 +77,8 @@ class Comparison:
     queries: int
     challenger: dict[str, float]
     champion: dict[str, float]
+    # The bootstrap's resampled means (this register's own comparison only; not recorded): the gate's figure.
+    means: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def interval(self) -> str:
         """`recall@1 on val +0.0120 [-0.0040, +0.0290] (95% paired bootstrap, 1000 resamples, 420 queries)`"""
@@ -128,13 +130,13 @@ def compare(challenger: SplitScores, champion: SplitScores, champion_version: in
     if not shared:
         raise ValueError(f"no query of the {split or cfg.gate_split} split was scored by both models")
     mine, theirs = (np.asarray(index) for index in zip(*shared))
-    difference, low, high = paired_bootstrap(
-        challenger.per_query[metric][mine], champion.per_query[metric][theirs],
-        resamples=cfg.bootstrap_resamples, confidence=cfg.confidence, seed=cfg.bootstrap_seed)
+    diff, means = bootstrap_means(challenger.per_query[metric][mine], champion.per_query[metric][theirs],
+                                  resamples=cfg.bootstrap_resamples, seed=cfg.bootstrap_seed)
+    difference, low, high = percentile_interval(diff, means, cfg.confidence)
     return Comparison(split=split or cfg.gate_split, metric=metric, champion_version=int(champion_version),
                       difference=difference, low=low, high=high, confidence=cfg.confidence,
                       resamples=cfg.bootstrap_resamples, seed=cfg.bootstrap_seed, queries=len(shared),
-                      challenger=dict(challenger.metrics), champion=dict(champion.metrics))
+                      challenger=dict(challenger.metrics), champion=dict(champion.metrics), means=means)
 
 
 def decide(comparison: Comparison, cfg: RegistryConfig) -> Decision:

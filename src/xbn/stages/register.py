@@ -54,6 +54,7 @@ from xbn.tracking import (
     PipelineRun,
     Registry,
     data_hash,
+    log_gate,
     log_model,
     params_hash,
     pipeline_run,
@@ -132,6 +133,7 @@ def register(params: Params, tags: dict[str, str] | None = None) -> dict:
                     REGISTRATION_TAG: "created"}
             info = _first_of(registry, registry.create(model_uri, tags), sha)
             fault_point("register.after_create")
+            log_gate(run, comparison, cfg.min_improvement)  # before the card, which links it
             info = _complete(params, registry, info, trained, run, decision, champion)
     return _write_report(params, registry, info, compared=champion)
 

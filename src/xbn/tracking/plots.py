@@ -81,6 +81,59 @@ def _plot_panels(frame: pd.DataFrame, x: str, panels, out_png: Path) -> bool:
     return True
 
 
+def plot_evaluation(recall_csv: str | Path, spectrum_csv: str | Path, out_png: str | Path) -> Path | None:
+    """`evaluation.png`: test recall@k against k, and the training embeddings' singular-value spectrum (its
+    share of the sum; Roth et al. 2020: a flatter spectrum generalises better) when it was measured. None
+    when there is no recall@k file."""
+    from matplotlib.figure import Figure
+
+    recall, spectrum = _read_csv(recall_csv), _read_csv(spectrum_csv)
+    if recall is None or recall.empty:
+        return None
+    panels = 1 + (spectrum is not None and not spectrum.empty)
+    fig = Figure(figsize=(4.4 * panels, 3.4), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(1, panels))
+    axes[0].plot(recall["k"], recall["recall"], marker="o")
+    for k, r in zip(recall["k"], recall["recall"], strict=True):
+        axes[0].annotate(f"{r:.3f}", (k, r), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+    axes[0].set(xscale="log", xlabel="k", ylabel="recall@k", title="test recall@k", ylim=(0, 1.05))
+    axes[0].set_xticks(recall["k"], [str(k) for k in recall["k"]])
+    if panels == 2:
+        axes[1].plot(spectrum["index"], spectrum["normalized"])
+        axes[1].set(yscale="log", xlabel="singular value (1 = largest)", ylabel="share of the sum",
+                    title="train embedding spectrum")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    out_png = Path(out_png)
+    with atomic_path(out_png) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    return out_png
+
+
+def plot_gate(means: np.ndarray, difference: float, low: float, high: float, min_improvement: float,
+              title: str, out_png: str | Path) -> Path:
+    """`gate_bootstrap.png`: the paired bootstrap's distribution of mean(challenger - champion), with the
+    observed difference, the interval and the improvement the gate requires of its lower bound marked."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 3.6), layout="constrained")
+    ax = fig.subplots()
+    ax.hist(means, bins=40, color="0.75", edgecolor="0.55")
+    ax.axvspan(low, high, color="C0", alpha=0.15, label=f"interval [{low:+.4f}, {high:+.4f}]")
+    ax.axvline(difference, color="C0", label=f"observed {difference:+.4f}")
+    ax.axvline(min_improvement, color="C3", linestyle="--",
+               label=f"the lower bound must exceed {min_improvement:+.4f}")
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.set(xlabel="mean per-query difference, challenger - champion (bootstrap resamples)", ylabel="resamples",
+           title=title)
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=8)
+    out_png = Path(out_png)
+    with atomic_path(out_png) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    return out_png
+
+
 def retrieval_grid(
     query_paths: Sequence[str | Path],
     query_labels: Sequence,

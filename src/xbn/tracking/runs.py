@@ -40,7 +40,7 @@ from xbn.config import Params, flatten
 from xbn.data.snapshot import DATA_FILES, DATA_RECORD, DataSnapshot, current_record
 from xbn.tracking import pyfunc
 from xbn.tracking.fingerprints import data_hash, file_digest, git_commit, params_hash
-from xbn.tracking.plots import plot_training
+from xbn.tracking.plots import plot_evaluation, plot_gate, plot_training
 from xbn.tracking.services import Retrying, mask_secrets, redact
 from xbn.utils.io import write_text
 
@@ -50,6 +50,8 @@ PARENT_RUN_ENV = "XBN_PARENT_RUN_ID"
 RUN_ID_FILE = Path("reports/run_id")
 PLOTS_DIR = Path("plots")
 RETRIEVAL_GRID = PLOTS_DIR / "retrieval_grid.png"
+EVALUATION_PLOT = PLOTS_DIR / "evaluation.png"  # recall@k and the spectrum (`plot_evaluation`)
+GATE_PLOT = PLOTS_DIR / "gate_bootstrap.png"  # the promotion gate's bootstrap distribution (`log_gate`)
 MODEL_NAME = "model"  # the pyfunc's name inside the run
 MODEL_URI_TAG, MODEL_SHA_TAG = "xbn.model_uri", "model_sha256"
 DATA_ARTIFACTS = "data"  # the run's data snapshot: data.json, data_files.parquet, <folder>.dvc
@@ -229,7 +231,23 @@ def log_evaluation(params: Params, run: PipelineRun, grid_png: str | Path | None
     grid = Path(grid_png) if grid_png else RETRIEVAL_GRID
     if grid.exists():
         client.log_artifact(run.run_id, str(grid), "plots")
+    folder = Path(params.eval.output).parent
+    if drawn := plot_evaluation(folder / "recall_at_k.csv", folder / "spectrum.csv", EVALUATION_PLOT):
+        client.log_artifact(run.run_id, str(drawn), "plots")
     return scores
+
+
+def log_gate(run: PipelineRun, comparison: Any, min_improvement: float) -> None:
+    """Draw the gate's bootstrap distribution (`plot_gate`) and log it on the challenger's run, where the model
+    card links it. A figure is not worth a failed registration: a store error is a warning."""
+    if comparison is None or comparison.means is None:
+        return
+    try:
+        png = plot_gate(comparison.means, comparison.difference, comparison.low, comparison.high, min_improvement,
+                        f"gate: {comparison.interval()} vs v{comparison.champion_version}", GATE_PLOT)
+        Retrying(MlflowClient(run.tracking_uri)).log_artifact(run.run_id, str(png), "plots")
+    except Exception as exc:  # noqa: BLE001 - the decision and the card do not depend on the picture
+        log.warning("the gate's figure was not logged (%s)", mask_secrets(str(exc))[:300])
 
 
 def scores_of(results: Mapping[str, Any]) -> dict[str, float]:
