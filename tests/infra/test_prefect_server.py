@@ -349,6 +349,8 @@ def test_the_weekly_schedule_under_a_real_worker(prefect_stack, tmp_path):
         assert drift["changes"]["classes_added"] == {"count": 3, "examples": ["0024", "0025", "0026"]}
         assert drift["champion_version"] == 1 and "+3 classes (0024, 0025, 0026)" in drift["line"]
         assert drift["changes"]["images_changed"]["count"] == 3
+        # The two-sample test's picture (the permutation null, the projected embeddings) when it ran.
+        assert (workdir / "reports/drift.png").exists() == drift["embedding"]["tested"]
         deadline = time.monotonic() + 30  # the notifications are sent as the flow ends
         while len(receiver.messages) < 2 and time.monotonic() < deadline:
             time.sleep(0.5)

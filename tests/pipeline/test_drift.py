@@ -45,3 +45,15 @@ def test_samples_split_unchanged_from_new_and_changed_images():
         frame["md5"] = frame["md5"].astype("string")
     old, new = _samples(before, after, size=10, seed=0)
     assert list(old["path"]) == ["a/1"] and list(new["path"]) == ["a/2", "c/1"]
+
+
+def test_the_null_behind_the_p_value_is_what_the_drift_figure_draws(tmp_path):
+    from xbn.stages.drift import mmd_null, p_value_of
+    from xbn.tracking.plots import plot_drift
+
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(40, 6)), rng.normal(size=(40, 6)) + 0.5
+    observed, null = mmd_null(x, y, permutations=99, seed=2)
+    assert len(null) == 99 and (observed, p_value_of(observed, null)) == mmd_permutation_test(x, y, 99, seed=2)
+    png = plot_drift(observed, null, p_value_of(observed, null), 0.01, x, y, tmp_path / "drift.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

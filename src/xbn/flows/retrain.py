@@ -323,7 +323,8 @@ def _retrain(params: Params, params_path: str, overrides: list[str], tune: bool 
     with pipeline_run(params, "retrain", tags=tags, new=True) as run:
         os.environ[PARENT_RUN_ENV] = run.run_id
         if decision["drift"]:
-            log_files(run, [params.drift.report, str(Path(params.drift.report).with_suffix(".md"))], "drift")
+            report = Path(params.drift.report)
+            log_files(run, [report, report.with_suffix(".md"), report.with_suffix(".png")], "drift")
     try:
         return _train_to_registry(params, tuned, decision, (params_path, overrides))
     finally:

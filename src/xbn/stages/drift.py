@@ -51,12 +51,18 @@ def drift_report(params: Params, checkpoint: str | Path, champion_version: int, 
         report["embedding"] = {"tested": False, "reason": f"{len(new)} new or changed image(s), {len(old)} "
                                f"unchanged: at least {MIN_SAMPLE} of each are needed for a two-sample test"}
         report["significant"] = False
+        figure_path(cfg.report).unlink(missing_ok=True)  # an earlier run's picture is not this one's
     else:
         x, x_labels, y, y_labels = _embed(params, checkpoint, old, new)
-        mmd2, p_value = mmd_permutation_test(x, y, cfg.permutations, cfg.seed)
+        mmd2, null = mmd_null(x, y, cfg.permutations, cfg.seed)
+        p_value = p_value_of(mmd2, null)
+        from xbn.tracking.plots import plot_drift  # matplotlib only when there is something to draw
+
+        plot_drift(mmd2, null, p_value, cfg.alpha, x, y, figure_path(cfg.report))
         report["embedding"] = {"tested": True, "statistic": "MMD^2 (RBF kernel, median heuristic)",
                                "mmd2": mmd2, "p_value": p_value, "old_images": len(x),
-                               "new_images": len(y), "permutations": cfg.permutations, "alpha": cfg.alpha}
+                               "new_images": len(y), "permutations": cfg.permutations, "alpha": cfg.alpha,
+                               "figure": figure_path(cfg.report).name}
         report["class_shift"] = class_shift(x, x_labels, y, y_labels)
         report["significant"] = bool(p_value < cfg.alpha)
     report["line"] = drift_line(report)
@@ -101,9 +107,25 @@ def _embed(params: Params, checkpoint: str | Path, old: pd.DataFrame, new: pd.Da
     return tuple(out)
 
 
+def figure_path(report: str | Path) -> Path:
+    """The drift report's figure (`plot_drift`), beside its JSON."""
+    return Path(report).with_suffix(".png")
+
+
 def mmd_permutation_test(x: np.ndarray, y: np.ndarray, permutations: int, seed: int) -> tuple[float, float]:
     """Unbiased MMD^2 between samples x and y with an RBF kernel whose bandwidth is the median pairwise
     distance of the pooled sample, and its permutation p-value ((1 + #{perm >= observed}) / (1 + perms))."""
+    observed, null = mmd_null(x, y, permutations, seed)
+    return observed, p_value_of(observed, null)
+
+
+def p_value_of(observed: float, null: np.ndarray) -> float:
+    return (1 + int((null >= observed).sum())) / (1 + len(null))
+
+
+def mmd_null(x: np.ndarray, y: np.ndarray, permutations: int, seed: int) -> tuple[float, np.ndarray]:
+    """The observed MMD^2 (`mmd_permutation_test`) and its `permutations` values under random relabellings of
+    the pooled sample: the null distribution the p-value and the drift figure come from."""
     z = np.concatenate([x, y])
     # Squared distances from the Gram matrix, |a|^2 + |b|^2 - 2 a.b: [N, N], not the [N, N, d] differences
     # (16 GiB at drift.sample 1000 and d 512). Clipped at 0 against rounding.
@@ -124,8 +146,7 @@ def mmd_permutation_test(x: np.ndarray, y: np.ndarray, permutations: int, seed: 
 
     observed = mmd2(np.arange(len(z)))
     rng = np.random.default_rng(seed)
-    exceed = sum(mmd2(rng.permutation(len(z))) >= observed for _ in range(permutations))
-    return observed, (1 + exceed) / (1 + permutations)
+    return observed, np.array([mmd2(rng.permutation(len(z))) for _ in range(permutations)])
 
 
 def class_shift(x: np.ndarray, x_labels: np.ndarray, y: np.ndarray, y_labels: np.ndarray) -> list[dict]:
@@ -159,6 +180,8 @@ def drift_markdown(report: dict[str, Any]) -> str:
         lines += ["", "## Images (validation profile)", "", "| | champion's data | now |", "|---|---|---|"]
         for key in ("width", "height", "mode"):
             lines.append(f"| {key} | {profile['champion'].get(key)} | {profile['now'].get(key)} |")
+    if figure := report["embedding"].get("figure"):
+        lines += ["", f"![the permutation null with the observed MMD², and the embeddings projected]({figure})"]
     if report.get("class_shift"):
         lines += ["", "## Largest class shifts (1 - cosine of the centroids, unchanged vs new images)", "",
                   "| class | shift | unchanged | new |", "|---|---:|---:|---:|"]
@@ -167,4 +190,4 @@ def drift_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["class_shift", "drift_line", "drift_report", "mmd_permutation_test"]
+__all__ = ["class_shift", "drift_line", "drift_report", "figure_path", "mmd_null", "mmd_permutation_test"]

@@ -110,6 +110,36 @@ def plot_evaluation(recall_csv: str | Path, spectrum_csv: str | Path, out_png: s
     return out_png
 
 
+def plot_drift(observed: float, null: np.ndarray, p_value: float, alpha: float, old: np.ndarray, new: np.ndarray,
+               out_png: str | Path) -> Path:
+    """`drift.png`: the MMD^2 permutation null with the observed value marked (and p), beside the two samples'
+    embeddings projected on the pooled sample's first two principal axes (the champion's unchanged images
+    against the new or changed ones)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    left.hist(null, bins=40, color="0.75", edgecolor="0.55", label=f"{len(null)} permutations")
+    left.axvline(observed, color="C3", label=f"observed MMD² {observed:.4f} (p = {p_value:.3f})")
+    left.set(xlabel="MMD² under random relabelling", ylabel="permutations",
+             title=f"drift: {'significant' if p_value < alpha else 'not significant'} at alpha {alpha:g}")
+    left.legend(fontsize=8)
+    pooled = np.concatenate([old, new]).astype(np.float64)
+    centred = pooled - pooled.mean(0)
+    axes = np.linalg.svd(centred, full_matrices=False)[2][:2]  # the first two principal directions
+    points = centred @ axes.T
+    right.scatter(*points[:len(old)].T, s=8, alpha=0.6, label=f"unchanged ({len(old)})")
+    right.scatter(*points[len(old):].T, s=8, alpha=0.6, label=f"new or changed ({len(new)})")
+    right.set(xlabel="principal axis 1", ylabel="principal axis 2", title="the champion's embeddings")
+    right.legend(fontsize=8)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    out_png = Path(out_png)
+    with atomic_path(out_png) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    return out_png
+
+
 def plot_gate(means: np.ndarray, difference: float, low: float, high: float, min_improvement: float,
               title: str, out_png: str | Path) -> Path:
     """`gate_bootstrap.png`: the paired bootstrap's distribution of mean(challenger - champion), with the
