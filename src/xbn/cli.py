@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+from typing import NamedTuple
 
 from xbn.config import ConfigError, Params, load_params
 from xbn.stages.loop import ORDER as LOOP_ORDER
@@ -71,7 +72,7 @@ def _registry(params: Params, args):
     return registry.rollback(params, args.reason, user=args.user)
 
 
-def _retrain(params: Params, args) -> str | None:
+def _retrain(params: Params, args) -> Report | None:
     """The Prefect flow (xbn/flows/retrain.py), from any folder: once now, or serving the weekly schedule."""
     from xbn.data.snapshot import check_versioning
 
@@ -88,7 +89,7 @@ def _retrain(params: Params, args) -> str | None:
     if decision := result.get("decision"):
         lines.append(f"registry: {decision['model_name']} v{decision['version']} {decision['decision']}: "
                      f"{decision['reason']}")
-    return "\n".join(lines)
+    return Report("\n".join(lines), result)
 
 
 def _catalogue(params: Params, args) -> dict:
@@ -254,7 +255,7 @@ def _recorded(stage: str, fn, params: Params, args):
     return result
 
 
-def _stage_run(params: Params, args) -> str:
+def _stage_run(params: Params, args) -> Report:
     """The stages `dvc repro` runs, in its order, up to `--until` (register only with tracking on), then the
     summary. A validation failure (a `DatasetError`) stops it with exit 3, before training."""
     args.resume, args.append, args.shards = False, False, None
@@ -271,7 +272,7 @@ def _stage_run(params: Params, args) -> str:
             from xbn.stages.schedule import unchanged_since_champion
 
             if reason := unchanged_since_champion(params):  # the retrain flow's rule: same data and params
-                return f"xbn run: {reason} (--force trains anyway)"
+                return Report(f"xbn run: {reason} (--force trains anyway)", {"skipped": reason})
     return _summary(params, args)
 
 
@@ -299,10 +300,18 @@ def _run_lock(params: Params, command: str):
     return pipeline_lock(params, f"xbn {command}")
 
 
-def _summary(params: Params, args) -> str:
-    from xbn.stages.summary import summary_text
+class Report(NamedTuple):
+    """A command's result that reads as `text` on a terminal and as `data` with `--json`."""
 
-    return summary_text(params)
+    text: str
+    data: dict
+
+
+def _summary(params: Params, args) -> Report:
+    from xbn.stages.summary import summary_rows, summary_text
+
+    return Report(summary_text(params), {"summary": [{"what": what, "value": value}
+                                                     for what, value in summary_rows(params)]})
 
 
 class _ModelVersion(argparse.Action):
@@ -347,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("-q", "--quiet", action="store_true",
                         help="no progress bars, and the result goes only to its file, not to the console")
     common.add_argument("-v", "--verbose", action="store_true", help="every library's log lines too")
+    common.add_argument("--json", action="store_true",
+                        help="print the result as JSON (the commands that print text: summary, run, retrain, "
+                             "search; the others print JSON anyway)")
     parser = argparse.ArgumentParser(prog="xbn", description=__doc__)
     from xbn import __version__
 
@@ -474,7 +486,6 @@ def build_parser() -> argparse.ArgumentParser:
                             help="the catalogue's nearest images to each IMAGE (champion's index by default)")
     search.add_argument("images", nargs="+", metavar="IMAGE")
     search.add_argument("--k", type=_positive_int, default=None, help="neighbours per image (serve.default_k)")
-    search.add_argument("--json", action="store_true", help="JSON instead of a table")
     search.set_defaults(fn=_search)
     serve = sub.add_parser("serve", parents=[common, which],
                            help="HTTP endpoint (POST /search, /embed; GET /health) following the champion; "
@@ -579,7 +590,9 @@ def main(argv: list[str] | None = None) -> int:
     if result is None:  # a command that ran until stopped (serve)
         return 0
     try:
-        if isinstance(result, str):
+        if isinstance(result, Report):
+            print(json.dumps(result.data, indent=2, default=str) if args.json else result.text)
+        elif isinstance(result, str):
             print(result)
         elif not args.quiet and rank in (None, "0"):  # -q: the result is in the file the stage wrote
             print(json.dumps(result, indent=2, default=str))

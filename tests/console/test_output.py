@@ -11,6 +11,8 @@ from xbn.config import load_params
 from xbn.stages.summary import summary_markdown, summary_text
 from xbn.utils.logs import configure_logging
 
+from tests_support import ROOT
+
 
 @pytest.fixture(autouse=True)
 def restore_logging():
@@ -140,3 +142,17 @@ def test_init_and_run_in_a_read_only_folder_say_so_in_one_line(monkeypatch, caps
     assert main(["run", "--params", str(params), "-q", "--set", "tracking.enabled=false"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("xbn run: ") and "'reports' (in /sys: a folder" in err[0], err
+
+
+def test_json_prints_the_structured_result_of_a_command_that_prints_text(tiny_params, glyph_root, capsys):
+    from xbn.cli import main
+
+    tiny_params()  # chdir to a tmp folder
+    Path("params.yaml").write_text((ROOT / "params.yaml").read_text())
+    args = ["--params", "params.yaml", "--set", f"data.root={glyph_root}", "--set", "tracking.enabled=false"]
+    assert main(["summary", *args]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("xbn: summary")
+    assert main(["summary", *args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["summary"]
+    assert [r["what"] for r in rows][:1] == ["data"] and all(r["value"] in text for r in rows)
