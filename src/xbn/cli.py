@@ -27,6 +27,7 @@ from xbn.utils.errors import (
 )
 from xbn.utils.locks import LockLost, RunBusy
 from xbn.utils.logs import configure_logging
+from xbn.utils.progress import set_quiet
 
 # The commands that build a loss, a backbone or use the device: their params also have those names resolved
 # when loaded (`check_names` imports torch, pytorch-metric-learning and timm: seconds in a fresh process,
@@ -532,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = os.environ.get("RANK")  # set by torchrun for each worker of `xbn train --nproc N`
     configure_logging(verbose=args.verbose, prefix=f"xbn {args.command}{f' [rank {rank}]' if rank else ''}: ",
                       level=logging.INFO if rank in (None, "0") else logging.WARNING)
+    set_quiet(getattr(args, "quiet", False) or rank not in (None, "0"))  # the bars of the slow steps
     if args.command == "init":
         return _init(args)
     try:

@@ -15,6 +15,7 @@ from xbn.data import ImageDataset, build_transform, encode_labels
 from xbn.data.dataset import collate_skipping, loader_worker_init
 from xbn.evaluation.inference import FLOAT32, InferenceMode, run
 from xbn.evaluation.metrics import retrieval_metrics
+from xbn.utils.progress import bar
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def embed(model: torch.nn.Module, loader: DataLoader, device: torch.device, mode
     was_training = model.training
     model.eval()
     chunks, labels = [], []
-    for images, targets, indices in loader:
+    for images, targets, indices in bar(loader, "embed", unit="batch"):
         if kept is not None:
             kept.extend(int(i) for i in indices)
         if not len(targets):  # every image of the batch was skipped

@@ -19,6 +19,7 @@ import pandas as pd
 from PIL import Image
 
 from xbn.data.manifest import BOX_COLUMNS
+from xbn.utils.progress import bar
 
 # Sides of the class-disjoint protocol: no class may be on both.
 TRAIN_SIDE = ("train", "val")
@@ -81,7 +82,8 @@ def image_columns(paths: pd.Series, root: str | Path, workers: int | None = None
     root = Path(root).resolve()
     workers = workers or min(32, 4 * (os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        rows = list(pool.map(lambda rel: astuple(_inspect(rel, root)), paths))
+        rows = list(bar(pool.map(lambda rel: astuple(_inspect(rel, root)), paths), "validate: read images",
+                        total=len(paths), unit="image"))
     names = [f.name for f in fields(_ImageFacts)]
     raw = pd.DataFrame(rows, columns=names, index=paths.index, dtype=object)
     dtypes = {"inside_root": "boolean", "exists": "boolean", "decodes": "boolean", "width": "Int64",
