@@ -602,15 +602,12 @@ def promise_section(data: dict[str, Any]) -> str:
 
 
 def targets_section(targets: list[dict[str, Any]]) -> str:
-    def bound(t: dict[str, Any]) -> str:
-        return f", at least {t['at_least']}" if "at_least" in t else f", at most {t['at_most']}" if "at_most" in t else ""
+    from benchmarks.verdict_summary import summary_table
 
-    rows = [[t["section"], f"`{t['file']}`", (t.get("what") or f"{t['ratio']} (M = {t['memory_size']}, B = "
-             f"{t['batch']}, {t['workload']})") + bound(t),
-             _iqr(t) if "median" in t else t.get("value"), _verdict(t["verdict"])] for t in targets]
-    return "\n".join(["## Targets", "", "Each verdict below is computed from the results file named, in the section "
-                      "that follows.", "", markdown_table(["section", "results", "target", "measured", "verdict"],
-                                                          rows), ""])
+    return "\n".join(["## Targets", "", "One row per target: the verdict of the newest results file on each kind of "
+                      "machine (counted over its configurations where it has several), with a link to the section "
+                      "that measured it; each section ends with every configuration's row. Smoke runs (`--quick`) "
+                      "are left out here.", "", summary_table(targets), ""])
 
 
 def methods_section(data: dict[str, Any]) -> str:
@@ -666,7 +663,16 @@ def retrain_section(data: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
 
 
 def main(argv: list[str] | None = None) -> Path:
+    from benchmarks import verdict_summary
+
     parts, targets = [], []
+
+    def add(text: str, found: list[dict[str, Any]], data: dict[str, Any]) -> None:
+        """A section with its own targets (every configuration) at its end; the screen on top summarises them."""
+        found = verdict_summary.annotate(found, data, text)
+        parts.append(text.rstrip("\n") + "\n" + (verdict_summary.section_targets(found) if found else ""))
+        targets.extend(found)
+
     if promise := _load("promise"):
         parts.append(promise_section(promise))
     for name, section in (("memory_cpu", memory_section), ("memory_cpu_all_pairs", memory_section),
@@ -675,9 +681,7 @@ def main(argv: list[str] | None = None) -> Path:
                           ("eval", eval_section), ("eval_quick", eval_section),
                           ("loader", loader_section)):
         if data := _load(name):
-            text, found = section(data)
-            parts.append(text)
-            targets += found
+            add(*section(data), data)
     parts.append(gpu_section(_load("gpu")))
     for name, section in (("pipeline", pipeline_section), ("grid", grid_section),
                           ("methods", methods_section)):
@@ -694,9 +698,7 @@ def main(argv: list[str] | None = None) -> Path:
                                 ""]))
     for name in ("serving", "serving_quick", "serving_hostile"):  # after methods: section 8
         if data := _load(name):
-            text, found = serving_section(data)
-            parts.append(text)
-            targets += found
+            add(*serving_section(data), data)
     from benchmarks.regimes import REGIMES
 
     for name in (f"grid_{regime}" for regime in REGIMES if not regime.startswith("drift")):  # section 9
@@ -704,38 +706,35 @@ def main(argv: list[str] | None = None) -> Path:
             parts.append(regime_section(data))
     for name in ("retrain", "retrain_quick"):  # section 10
         if data := _load(name):
-            text, found = retrain_section(data)
-            parts.append(text)
-            targets += found
+            add(*retrain_section(data), data)
     from benchmarks import train_time
 
     for name in ("train_time", "train_time_quick"):  # section 11
         if data := _load(name):
             text, found = train_time.render(data)
-            parts.append("\n".join([f"## 11. make run's training time, old commit vs new ({name})", "",
-                                     _header(data), "", text, ""]))
-            targets += [t | {"file": data["_file"]} for t in found]
+            add("\n".join([f"## 11. make run's training time, old commit vs new ({name})", "", _header(data), "",
+                           text, ""]), [t | {"file": data["_file"]} for t in found], data)
     # section 12: the 10M run, then smaller ones (--quick, --n) that show its shape
     for path in sorted(RESULTS_DIR.glob("bigindex*.json"), key=lambda p: (p.stem != "bigindex", p.stem)):
         if data := _load(path.stem):
-            text, found = bigindex_section(data)
-            parts.append(text)
-            targets += found
+            add(*bigindex_section(data), data)
     from benchmarks import catalogue_bench
 
     for name in ("catalogue", "catalogue_quick"):  # section 13
         if data := _load(name):
             text, found = catalogue_bench.render(data)
-            parts.append("\n".join([f"## 13. Catalogue embedding on Dask vs one process ({name})", "",
-                                     _header(data), "", text, ""]))
-            targets += [t | {"file": data["_file"]} for t in found]
+            add("\n".join([f"## 13. Catalogue embedding on Dask vs one process ({name})", "", _header(data), "",
+                           text, ""]), [t | {"file": data["_file"]} for t in found], data)
     short, long = _load("grid_drift"), _load("grid_drift_long")
     if short or long:  # section 14: issue 42's study of the memory's drift
         from benchmarks import drift_study
 
         text, found = drift_study.render(short, long, _header, paired_difference, DOCS, _load("grid_drift_cpu"))
-        parts.append(text)
-        targets += found
+        # Each target names its own file, whose machine it was measured on.
+        found = [t for data in (short, long) if data for t in verdict_summary.annotate(
+            [t for t in found if t["file"] == data["_file"]], data, text)]
+        parts.append(text.rstrip("\n") + "\n" + verdict_summary.section_targets(found))
+        targets.extend(found)
     intro = ["# Benchmarks", "",
              "Generated by `python -m benchmarks report` from `benchmarks/results/*.json`; `make bench` "
              "(`python -m benchmarks all`) re-runs everything. The CPU machine is shared with other jobs, so "
