@@ -51,7 +51,7 @@ class StoredInputs:
     """The inputs of a fixed set of memory slots (issue 42), written by hand: the augmented view each row was
     embedded from, as uint8 at the training size (de-normalised with the backbone's mean and std), the row as
     it was written (before any map) and the training iteration that wrote it. Enough to re-embed those rows
-    with the current model (`CrossBatchMemory.reembed`, `stored_rows`)."""
+    with the current model (`CrossBatchMemory.reembed`, `xbn.training.diagnostics.memory_drift`)."""
 
     def __init__(self, slots: torch.Tensor, memory_size: int, mean, std):
         self.slots = torch.as_tensor(slots, dtype=torch.long).unique()  # sorted
@@ -295,7 +295,8 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
                     self._add_sums(dequeued_sums, -1)
             self.adaptation_steps += 1
         self._add_sums(batch_sums, 1)
-        self._count_batch_mean(batch_sums[0] / len(embeddings))
+        if self.stored is not None:  # read only by the drift measurement, which needs the stored inputs
+            self._count_batch_mean(batch_sums[0] / len(embeddings))
         start = int(self.queue_idx)
         super().add_to_memory(embeddings, labels, batch_size)
         self._write_sources(embeddings, start)
@@ -312,10 +313,11 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
     def _write_sources(self, embeddings: torch.Tensor, start: int) -> None:
         slots = self.curr_batch_idx
         sources, inputs = self._batch_sources, self._batch_inputs
-        aligned = sources is not None and len(sources) == len(slots)
-        if self.source_memory.device != slots.device:
-            self.source_memory = self.source_memory.to(slots.device)
-        self.source_memory[slots] = sources.to(slots.device) if aligned else -1
+        if self.exclude_self:  # the only reader of the rows' dataset indices
+            aligned = sources is not None and len(sources) == len(slots)
+            if self.source_memory.device != slots.device:
+                self.source_memory = self.source_memory.to(slots.device)
+            self.source_memory[slots] = sources.to(slots.device) if aligned else -1
         if self.stored is not None and inputs is not None and len(inputs) == len(slots):
             # The slots again, on the host (reading curr_batch_idx back would make the step wait for the GPU).
             host_slots = torch.arange(start, start + len(slots)) % self.memory_size

@@ -554,7 +554,7 @@ class Trainer:
              indices: torch.Tensor | None = None) -> tuple[float, torch.Tensor]:
         """One optimisation step on a batch (the benchmarks time exactly this); returns the loss and the
         embeddings. A non-finite loss stops before the update, so the weights stay the last good ones.
-        `indices`: the batch's dataset indices (`memory.exclude_self`)."""
+        `indices`: the batch's dataset indices (read with `memory.exclude_self`)."""
         images = images.to(self.device, non_blocking=True)
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
@@ -562,7 +562,9 @@ class Trainer:
         self._refresh_oracle()
         with autocast(self.device, self.amp):
             embeddings = self.net(images)
-        sources = None if indices is None else indices.to(self.device, non_blocking=True)
+        # The dataset indices only where they are read (no copy, no gather under DDP, otherwise).
+        sources = (indices.to(self.device, non_blocking=True)
+                   if indices is not None and self.params.memory.exclude_self else None)
         inputs = images if self.stored_inputs is not None else None
         # the global batch's loss: the same value on every rank
         loss = self.criterion(embeddings, labels, sources=sources, inputs=inputs)
