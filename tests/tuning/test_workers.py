@@ -83,7 +83,10 @@ def test_workers_share_a_journal_and_a_killed_worker_costs_one_trial(project, tm
         if not journal.exists():
             raise KeyError("no study yet")
         storage = journal_storage(journal)  # the workers' own lock
-        return optuna.load_study(study_name=optuna.get_all_study_names(storage)[0], storage=storage)
+        names = optuna.get_all_study_names(storage)
+        if not names:  # the journal file exists before the study's first record lands in it
+            raise KeyError("no study yet")
+        return optuna.load_study(study_name=names[0], storage=storage)
 
     try:
         lost = wait_for_running_trial(load_study)
