@@ -1,6 +1,7 @@
 """`python -m benchmarks <name> [options]`: run one benchmark (or all), write benchmarks/results/<name>.json.
 
     python -m benchmarks memory   [--quick] [--sizes ...] [--batches ...] [--device cpu|cuda] [--set loss.miner=null]
+    python -m benchmarks map_variants [--quick]  (issue 44: XBN's map in place vs folded into the similarity)
     python -m benchmarks eval     [--quick] [--sizes ...]
     python -m benchmarks loader   [--quick]
     python -m benchmarks pipeline [--quick]
@@ -76,6 +77,10 @@ def run(name: str, argv: list[str], allow_dirty: bool = False) -> None:
         from benchmarks import memory_bench
 
         memory_bench.main(argv)
+    elif name == "map_variants":
+        from benchmarks import map_variants
+
+        map_variants.main(argv)
     elif name == "eval":
         from benchmarks import eval_bench
 

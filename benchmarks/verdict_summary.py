@@ -56,6 +56,8 @@ def _word(verdict: Any) -> str:
 
 
 def _measured(target: dict[str, Any]) -> str:
+    if "low" in target:  # the median's interval (memory targets since issue 44)
+        return f"{target['median']} [{target['low']}, {target['high']}]"
     if "median" in target:
         return f"{target['median']} [{target['p25']}, {target['p75']}]"
     value = target.get("value", "-")

@@ -77,6 +77,9 @@ def test_measure_reports_paired_per_step_ratios():
     # the median of the per-step ratios, not the ratio of medians (times are rounded to the microsecond)
     assert got["n"] == 3 and got["median"] == pytest.approx(ratios[1], rel=1e-2)
     assert got["p25"] <= got["median"] <= got["p75"]
+    ci = row["paired_ratio_ci"]["axbn/xbm"]
+    assert ci["median"] == got["median"] and ci["low"] <= ci["median"] <= ci["high"]
+    assert ci["low"] >= ratios[0] * 0.99 and ci["high"] <= ratios[2] * 1.01  # within the measured ratios
     # The step's ratio decomposed: each memory's update alone, and the pairs mined against each memory.
     assert set(row["update_ms"]) == set(row["mined_pairs_last_batch"]) == {"pml", "xbm", "axbn"}
     assert all(v > 0 for v in row["update_ms"].values()) and row["update_over_xbm_step"]["xbm"] == 0
@@ -108,14 +111,19 @@ def test_without_a_miner_every_pair_is_counted_and_the_loss_work_is_the_same_for
     assert row["mined_pairs_last_batch"]["xbm"] == row["mined_pairs_last_batch"]["xbn"]
 
 
-def test_targets_read_the_whole_interval_at_the_largest_memory():
-    def row(size, p25, p75):
+def test_targets_read_the_medians_whole_interval_at_the_largest_memory():
+    def row(size, low, high):
+        # single steps spread far wider than the median's interval: the IQR must not decide
         return {"workload": "clustered", "memory_size": size, "batch": 16,
-                "paired_ratio": {"axbn/xbm": {"median": (p25 + p75) / 2, "p25": p25, "p75": p75, "n": 9},
-                                 "xbm/pml": {"median": 1.0, "p25": 1.03, "p75": 1.05, "n": 9}}}
+                "paired_ratio": {"axbn/xbm": {"median": (low + high) / 2, "p25": 0.9, "p75": 1.2, "n": 9},
+                                 "xbm/pml": {"median": 1.0, "p25": 0.9, "p75": 1.2, "n": 9}},
+                "paired_ratio_ci": {"axbn/xbm": {"median": (low + high) / 2, "low": low, "high": high, "n": 9},
+                                    "xbm/pml": {"median": 1.04, "low": 1.03, "high": 1.05, "n": 9}}}
 
     found = {t["ratio"]: t["verdict"] for t in targets([row(1024, 2.0, 3.0), row(4096, 1.01, 1.03)])}
     assert found == {"axbn/xbm": "inconclusive", "xbm/pml": "missed"}
+    met = targets([row(4096, 0.99, 1.015)])[0]
+    assert met["verdict"] == "met" and (met["p25"], met["p75"]) == (0.9, 1.2)  # the IQR is shown beside it
 
 
 def test_saved_embeddings_are_a_workload(tmp_path):

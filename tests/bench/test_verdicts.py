@@ -4,7 +4,8 @@ of it is; interval() is the median and interquartile range (numpy's linear inter
 from __future__ import annotations
 
 import pytest
-from benchmarks.verdicts import INCONCLUSIVE, MET, MISSED, interval, verdict
+import numpy as np
+from benchmarks.verdicts import INCONCLUSIVE, MET, MISSED, interval, median_interval, verdict
 
 
 @pytest.mark.parametrize(("low", "high", "expected"), [
@@ -42,3 +43,16 @@ def test_interval_by_hand():
     assert interval([8, 1, 4, 10, 2]) == {"median": 4.0, "p25": 2.0, "p75": 8.0, "n": 5}
     # four values: p25 at position 0.75 -> 1 + 0.75 * (2 - 1) = 1.75; p75 at 2.25 -> 3 + 0.25 = 3.25
     assert interval([1, 2, 3, 4]) == {"median": 2.5, "p25": 1.75, "p75": 3.25, "n": 4}
+
+
+def test_the_medians_interval_narrows_with_more_steps_where_the_iqr_does_not():
+    rng = np.random.default_rng(1)
+    few, many = (1.01 + 0.1 * rng.standard_normal(n) for n in (30, 3000))
+    narrow, wide = median_interval(many), median_interval(few)
+    assert narrow["low"] <= narrow["median"] <= narrow["high"] and narrow["n"] == 3000
+    assert narrow["high"] - narrow["low"] < (wide["high"] - wide["low"]) / 5
+    assert narrow["low"] < 1.01 < narrow["high"] and narrow["high"] < 1.02  # met, while the IQR spans 0.94-1.08
+    iqr = interval(many)
+    assert iqr["p25"] < 0.95 and iqr["p75"] > 1.07
+    assert median_interval(few) == wide  # a fixed seed: the same file renders the same verdict
+    assert median_interval([2.0]) == {"median": 2.0, "low": 2.0, "high": 2.0, "n": 1, "level": 0.95}
