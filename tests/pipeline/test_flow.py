@@ -73,6 +73,32 @@ def test_bad_data_fails_the_flow_without_retrying(prefect_harness, tmp_path, gly
     assert not Path("models/model.pt").exists()
 
 
+def test_a_retrain_refused_by_the_run_lock_is_reported_as_refused_not_failed(prefect_harness, tmp_path, receiver,
+                                                                             monkeypatch):
+    from prefect import flow
+
+    from xbn.flows import retrain as retrain_flow
+    from xbn.utils.locks import RunBusy
+
+    url, received = receiver
+    monkeypatch.setenv("XBN_NOTIFY_URLS", url)
+
+    # The retrain flow's own failure hook, on a flow that meets the lock as `retrain` does (`pipeline_lock`).
+    @flow(on_failure=[retrain_flow._notify_failure])
+    def busy(params_path: str) -> None:
+        raise RunBusy("xbn retrain: another run on xbn-embedder is in progress; this one did not start")
+
+    @flow(on_failure=[retrain_flow._notify_failure])
+    def broken(params_path: str) -> None:
+        raise RuntimeError("disk full")
+
+    for run in (busy, broken):
+        assert run(str(ROOT / "params.yaml"), return_state=True).is_failed()
+    titles = [m["title"] for m in received]
+    assert [t.split(":")[0] for t in titles] == ["xbn retrain REFUSED", "xbn retrain FAILED"], titles
+    assert "nothing was changed" in received[0]["message"] and "another run" in received[0]["message"]
+
+
 @pytest.mark.parametrize("stale", [False, True], ids=["own-checkpoint", "stale-checkpoint"])
 def test_a_retried_train_task_resumes_only_its_own_checkpoint(prefect_harness, tmp_path, glyph_root, monkeypatch,
                                                                stale):

@@ -208,8 +208,22 @@ def tune_study(params: Params) -> dict:
 # Hook arguments by these names: Prefect's runner (the worker) calls on_crashed with keywords (flow=, flow_run=,
 # state=) after the flow's process died, and a hook with other names failed with a TypeError, telling nobody.
 def _notify_failure(flow, flow_run, state) -> None:
-    """The flow's on_failure hook: runs once the flow has failed, after every task's retries."""
-    _notify_end(flow_run, state, "FAILED", "failed after its retries")
+    """The flow's on_failure hook: runs once the flow has failed, after every task's retries. A run refused
+    because another holds the model's run lock changed nothing: it says so, not that the pipeline failed."""
+    if _refused(state):
+        _notify_end(flow_run, state, "REFUSED", "did not start: another run on the same model holds its run lock; "
+                    "nothing was changed")
+    else:
+        _notify_end(flow_run, state, "FAILED", "failed after its retries")
+
+
+def _refused(state) -> bool:
+    from xbn.utils.locks import RunBusy
+
+    try:
+        return isinstance(state.result(raise_on_failure=False), RunBusy)
+    except Exception:  # noqa: BLE001 - a result that cannot be read back: only the message can tell
+        return "RunBusy" in (state.message or "")
 
 
 def _notify_crash(flow, flow_run, state) -> None:
