@@ -57,14 +57,19 @@ def test_a_second_run_on_the_same_model_refuses_to_start_and_says_why(params, tm
     assert main(["register", "--params", str(path), "-q"]) == 0  # free again
 
 
-def test_a_registry_lock_lost_with_its_connection_stops_the_holder_before_it_writes(params):
-    """Its connection ended, and another promotion took the lock meanwhile: the holder stops before it writes."""
-    from xbn.utils.locks import advisory_lock
-
+@pytest.fixture
+def registry(params) -> Registry:
+    """A registry with version 1 whose locks live on the real PostgreSQL (`tracking.lock_uri`)."""
     require_postgres()
     params.tracking.lock_uri = PG
     run_pipeline(params, seed=0)
-    registry = Registry(params)
+    return Registry(params)
+
+
+def test_a_registry_lock_lost_with_its_connection_stops_the_holder_before_it_writes(registry):
+    """Its connection ended, and another promotion took the lock meanwhile: the holder stops before it writes."""
+    from xbn.utils.locks import advisory_lock
+
     with registry.lock() as held:
         registry.set_tags(1, {"note": "under the lock"})
         _terminate(held)
@@ -84,16 +89,12 @@ def _terminate(held) -> None:
         admin.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": backend})
 
 
-def test_a_run_lock_lost_with_its_connection_is_taken_back_when_nobody_held_it_meanwhile(params):
+def test_a_run_lock_lost_with_its_connection_is_taken_back_when_nobody_held_it_meanwhile(params, registry):
     """The run's lock dies with its connection; nobody took it: the next registry write takes it back (its
     epoch did not move) and goes on, and a second run still cannot start."""
     from xbn.tracking.locks import run_lock
     from xbn.utils.locks import LockTimeout, advisory_lock
 
-    require_postgres()
-    params.tracking.lock_uri = PG
-    run_pipeline(params, seed=0)
-    registry = Registry(params)
     with run_lock(params.tracking.uri, "xbn-embedder", "first", 0, PG) as held:
         _terminate(held)
         registry.set_tags(1, {"note": "after the restart"})  # checks the run lock first: taken back
@@ -103,16 +104,12 @@ def test_a_run_lock_lost_with_its_connection_is_taken_back_when_nobody_held_it_m
                 pass
 
 
-def test_a_run_lock_held_by_another_run_meanwhile_is_lost_for_good(params):
+def test_a_run_lock_held_by_another_run_meanwhile_is_lost_for_good(params, registry):
     """The run's lock dies with its connection, and another run takes it and ends before the holder looks:
     the epoch moved, so the holder stops before it writes, although the lock is free again."""
     from xbn.tracking.locks import run_lock
     from xbn.utils.locks import advisory_lock
 
-    require_postgres()
-    params.tracking.lock_uri = PG
-    run_pipeline(params, seed=0)
-    registry = Registry(params)
     with run_lock(params.tracking.uri, "xbn-embedder", "first", 0, PG) as held:
         _terminate(held)
         with advisory_lock(PG, "xbn-run:xbn-embedder", 0):  # another run, in between
