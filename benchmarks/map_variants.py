@@ -162,3 +162,27 @@ def main(argv: list[str] | None = None) -> dict:
     path = write_result("map_variants_quick" if args.quick else "map_variants", result)
     print(f"wrote {path}")
     return result
+
+
+def render(data: dict) -> str:
+    """The section's table and the choice it supports, from the results alone."""
+    from benchmarks.common import markdown_table
+
+    rows = data["rows"]
+    table = [[r["memory_size"], r["batch"], *[f"{r['ratio'][f'{a}/{b}']['median']} [{r['ratio'][f'{a}/{b}']['low']}, "
+                                              f"{r['ratio'][f'{a}/{b}']['high']}]" for a, b in RATIOS]] for r in rows]
+    best = []
+    for r in rows:
+        # XBN's candidates, each against the XBM it should be compared with (the same similarity work)
+        judged = {"eager": r["ratio"]["xbn_eager/xbm"], "lazy": r["ratio"]["xbn_lazy/xbm_folded"],
+                  "blocked": r["ratio"]["xbn_blocked/xbm_blocked"]}
+        name, ratio = min(judged.items(), key=lambda kv: kv[1]["high"])
+        best.append(f"M = {r['memory_size']}, B = {r['batch']}: {name} ({ratio['median']} [{ratio['low']}, "
+                    f"{ratio['high']}] of its XBM)")
+    return "\n".join([
+        "Each ratio is per round, median [95% bootstrap interval]; `max_abs_difference` of every variant's "
+        "similarities to PML's on the same rows was at most "
+        f"{max(v for r in rows for v in r['max_abs_difference'].values()):.2g}.", "",
+        markdown_table(["M", "B", *[f"{a} / {b}" for a, b in RATIOS]], table), "",
+        "Lowest upper bound of XBN's cost over the XBM doing the same similarity work, per setting: "
+        + "; ".join(best) + ".", ""])

@@ -689,6 +689,12 @@ def main(argv: list[str] | None = None) -> Path:
                           ("loader", loader_section)):
         if data := _load(name):
             add(*section(data), data)
+    if data := _load("map_variants"):  # issue 44 item 3: how to apply the map, measured before choosing
+        from benchmarks import map_variants
+
+        how, variants = map_variants.__doc__.split("\n\n")[2:4]
+        parts.append("\n".join(["## 1b. XBN's map: in place, lazy or blocked (map_variants)", "", _header(data), "",
+                                 how, "", "```", variants, "```", "", map_variants.render(data)]))
     parts.append(gpu_section(_load("gpu")))
     for name, section in (("pipeline", pipeline_section), ("grid", grid_section),
                           ("methods", methods_section)):
