@@ -13,7 +13,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -27,6 +27,7 @@ from xbn.data import build_transform
 from xbn.data.images import UnreadableImage, open_rgb  # noqa: F401 -- UnreadableImage re-exported
 from xbn.data.transforms import eval_geometry
 from xbn.evaluation.embed import embed, image_loader
+from xbn.evaluation.engine import OnnxEngine, engine_for, engined, settled_choice
 from xbn.evaluation.inference import (
     FLOAT32,
     Compiled,
@@ -65,6 +66,8 @@ class ServedModel:
     data_config: dict[str, Any]
     mode: InferenceMode = FLOAT32  # memory format and precision (`inference` params; recorded in index.json)
     compile: bool = False  # run `model` through torch.compile (`inference.compile`), once the mode is settled
+    # ONNX Runtime on the model's graph (`inference.engine`, `xbn.evaluation.engine`); None: torch only
+    engine: OnnxEngine | None = field(default=None, repr=False)
     _compiled: torch.nn.Module | None = field(default=None, repr=False)
     # `xbn serve` embeds each request in a thread of its pool: the first requests must not each build a
     # compiled module (torch.compile then compiles the one that is built once, under its own lock).
@@ -95,8 +98,16 @@ class ServedModel:
         if not len(batch):
             return np.empty((0, self.embedding_dim), dtype=np.float32)
         batch = batch.to(self.device)
-        out, self.mode = self._eager_if_compiling_fails(lambda network: run(network, batch, self.mode, self.device))
+        out, self.mode = self._eager_if_compiling_fails(
+            lambda network: run(engined(network, self.engine), batch, self.mode, self.device))
         return out.cpu().numpy()
+
+    def record(self) -> dict[str, float]:
+        """How it embeds, numbers only (index.json, MLflow): the inference mode's record and the engine's."""
+        return {**self.mode.record(), **settled_choice(self.engine).record()}
+
+    def describe(self) -> str:
+        return f"{self.mode.describe()}; {settled_choice(self.engine).describe()}"
 
     def _eager_if_compiling_fails(self, call: Callable[[torch.nn.Module], Any]) -> Any:
         """`call(network)`; if torch.compile fails (no C++ compiler, an op it cannot lower), say why, stop
@@ -122,11 +133,28 @@ class ServedModel:
 
     def embed_images(self, images: Sequence[Image.Image], batch_size: int = 64) -> np.ndarray:
         """Embeddings of RGB PIL images, in order, `batch_size` at a time (bounds peak memory)."""
-        chunks = [
-            self.embed_tensors(torch.stack([self.transform(im) for im in images[i : i + batch_size]]))
-            for i in range(0, len(images), batch_size)
-        ]
+        if self.engine is not None:  # the pixels go to ONNX Runtime as they are (`embed_pixels`)
+            chunks = [self.embed_pixels(np.stack([self.pixels(im) for im in images[i : i + batch_size]]))
+                      for i in range(0, len(images), batch_size)]
+        else:
+            chunks = [
+                self.embed_tensors(torch.stack([self.transform(im) for im in images[i : i + batch_size]]))
+                for i in range(0, len(images), batch_size)
+            ]
         return np.concatenate(chunks) if chunks else np.empty((0, self.embedding_dim), dtype=np.float32)
+
+    def embed_pixels(self, pixels: np.ndarray) -> np.ndarray:
+        """Embeddings of uint8 pixels [N, S, S, 3] (`pixels`): straight to ONNX Runtime once it is the engine,
+        else normalised as the transform does and embedded by `embed_tensors` (where auto decides)."""
+        if self.engine is not None and self.engine.runs_onnx and len(pixels):
+            return self.engine.embed_pixels(pixels)
+        normalise = self.engine.tensor if self.engine is not None else self._tensor
+        return self.embed_tensors(normalise(pixels))
+
+    def _tensor(self, pixels: np.ndarray) -> torch.Tensor:
+        x = torch.from_numpy(np.ascontiguousarray(pixels)).permute(0, 3, 1, 2).float().div(255)
+        mean = torch.tensor(self.data_config["mean"], dtype=torch.float32).view(1, 3, 1, 1)
+        return x.sub_(mean).div_(torch.tensor(self.data_config["std"], dtype=torch.float32).view(1, 3, 1, 1))
 
     def embed_frame(
         self, frame: pd.DataFrame, root: str | Path, batch_size: int = 64, num_workers: int = 0
@@ -149,7 +177,7 @@ class ServedModel:
 
         def embed_all(network: torch.nn.Module) -> tuple[np.ndarray, np.ndarray]:
             kept.clear()  # a second pass (eager, after a failed compile) starts over
-            return embed(network, loader, self.device, self.mode, kept=kept)
+            return embed(engined(network, self.engine), loader, self.device, self.mode, kept=kept)
 
         emb, _ = self._eager_if_compiling_fails(embed_all)
         if not kept:
@@ -162,13 +190,15 @@ class ServedModel:
 
 def load_served_model(path: str | Path, image_size: int, device: str | torch.device = "cpu",
                       precision: str = "auto", channels_last: bool | str = "auto", compile: bool | str = "auto",
-                      long_running: bool = False) -> ServedModel:
+                      long_running: bool = False, engine: str = "auto",
+                      onnx_graph: str | Path | None = None) -> ServedModel:
     """The embedder checkpoint at `path` (as `xbn train` writes models/model.pt), served at `image_size`, in the
-    mode the `inference` params choose (`xbn.evaluation.inference`)."""
+    mode and by the engine the `inference` params choose (`xbn.evaluation.inference`, `xbn.evaluation.engine`);
+    `onnx_graph`: the registered version's own ONNX graph, sha256-checked (else one is exported and cached)."""
     device = torch.device(device)
     model, data_config, _ = load_embedder(path, map_location=device)
     return served(model, data_config, image_size, file_digest(path), device, precision, channels_last, compile,
-                  long_running)
+                  long_running, engine, onnx_graph)
 
 
 def served(
@@ -181,16 +211,21 @@ def served(
     channels_last: bool | str = "auto",
     compile: bool | str = "auto",
     long_running: bool = False,
+    engine: str = "auto",
+    onnx_graph: str | Path | None = None,
 ) -> ServedModel:
     """Wrap an in-memory embedder (e.g. the one `xbn register` just evaluated) for serving: a copy with its
     BatchNorms folded into the convolutions (`fold_batch_norm`; `model` itself is left as it was), in the mode
     the `inference` params choose. `long_running`: the process serves for a while (`xbn serve`), so
-    `compile: auto` compiles."""
+    `compile: auto` compiles. `engine`: `inference.engine` (`xbn.evaluation.engine.engine_for`)."""
     transform = build_transform(image_size, training=False, mean=data_config["mean"], std=data_config["std"])
     device = torch.device(device)
     model = fold_batch_norm(model.eval(), probe_images(1, image_size, device))
-    mode = choose_inference_mode(model, device, image_size, precision, channels_last)
-    return ServedModel(
+    if engine == "onnxruntime":  # torch runs only batches that are not pixels: no probe for its mode
+        mode = replace(FLOAT32, chosen_by="inference.engine: onnxruntime")
+    else:
+        mode = choose_inference_mode(model, device, image_size, precision, channels_last)
+    result = ServedModel(
         mode.prepare(model),
         transform,
         int(image_size),
@@ -201,6 +236,18 @@ def served(
         mode,
         resolve_compile(compile, long_running),
     )
+    result.engine = engine_for(result, engine, onnx_graph)
+    return result
+
+
+def model_engine(model: torch.nn.Module, data_config: dict[str, Any], image_size: int, sha256: str,
+                 device: str | torch.device, engine: str = "auto") -> OnnxEngine | None:
+    """The `inference.engine` of an embedder a stage runs itself (`xbn evaluate`): `engine_for` on `model` as
+    served, None for torch; `xbn.evaluation.engine.engined(model, it)` is what then embeds."""
+    transform = build_transform(image_size, training=False, mean=data_config["mean"], std=data_config["std"])
+    view = ServedModel(model, transform, int(image_size), int(model.embedding_dim), sha256, torch.device(device),
+                       dict(data_config))
+    return engine_for(view, engine)
 
 
 def open_image(path: str | Path, min_side: int | None = None) -> Image.Image:

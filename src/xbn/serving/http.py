@@ -185,7 +185,16 @@ class RegistryModelSource:
         size = self.image_size or checkpoint.image_size
         if size is None:
             raise ValueError(f"{self.registry.name} v{info.version} records no image size: pass image_size")
-        return info, load_served_model(checkpoint.path, size, self.device, **self.inference)
+        return info, load_served_model(checkpoint.path, size, self.device, **self.inference,
+                                       onnx_graph=self._onnx_graph(info))
+
+    def _onnx_graph(self, info: Any) -> Path | None:
+        """The version's own ONNX graph (sha256-verified against its tag) when `inference.engine` may run
+        ONNX Runtime on the CPU; None (a graph is exported and cached instead) when it has none."""
+        fetch = getattr(self.registry, "fetch_onnx", None)
+        if fetch is None or self.inference.get("engine", "auto") == "torch" or self.device != "cpu":
+            return None
+        return fetch(info, self._dir(info))
 
     def load(self) -> Loaded:
         info, model = self.load_model()

@@ -468,7 +468,7 @@ def build_catalogue(
     emb, kept, skipped = model.embed_frame(frame, root, cfg.batch_size, num_workers)
     catalogue = CatalogueIndex.build(emb, frame.iloc[kept], cfg, model.sha256, queries)
     catalogue.meta["skipped"] = skipped
-    catalogue.meta["inference"] = model.mode.record()  # the mode that embedded it (`xbn.evaluation.inference`)
+    catalogue.meta["inference"] = model.record()  # the mode that embedded it (`xbn.evaluation.inference`)
     return catalogue
 
 

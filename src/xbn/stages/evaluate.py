@@ -8,9 +8,11 @@ from pathlib import Path
 from xbn.config import Params
 from xbn.data import read_manifest
 from xbn.evaluation.embed import evaluate_split
+from xbn.evaluation.engine import engined, settled_choice
 from xbn.evaluation.inference import inference_mode
+from xbn.evaluation.served import model_engine
 from xbn.models import build_embedder, load_embedder
-from xbn.utils.io import write_csv, write_json
+from xbn.utils.io import file_digest, write_csv, write_json
 from xbn.utils.runtime import resolve_device, seed_everything
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,11 @@ def evaluate(params: Params) -> dict:
     model, data_config, checkpoint = load_embedder(path, map_location=device)
     model.to(device)
     mode = inference_mode(params, model, device)
+    # `inference.engine`: ONNX Runtime on the model's graph where auto measures it faster (the untrained
+    # baseline below has other weights and runs in torch)
+    engine = model_engine(model, data_config, params.data.image_size, file_digest(path), device,
+                          params.inference.engine)
+    trained = engined(model, engine)
 
     def score(m, **kwargs):
         return evaluate_split(
@@ -39,11 +46,12 @@ def evaluate(params: Params) -> dict:
             num_workers=params.data.num_workers, device=device, mode=mode,
             query_chunk=params.eval.query_chunk, **kwargs)
 
-    metrics, (q_emb, q_lab, r_emb, r_lab) = score(model, return_embeddings=True)
+    metrics, (q_emb, q_lab, r_emb, r_lab) = score(trained, return_embeddings=True)
     metrics["epoch"] = checkpoint.get("epoch")
-    metrics["inference"] = mode.record()  # bf16, channels_last (1/0) and the probe's rates: logged to MLflow
+    # bf16, channels_last, onnxruntime (1/0), the probe's and the engines' rates: logged to MLflow
+    metrics["inference"] = {**mode.record(), **settled_choice(engine).record()}
     skipped = metrics.pop("skipped_images")  # logged by name; eval.json keeps the count (numbers only)
-    spectrum = _embedding_space(params, model, manifest, data_config, device, mode, metrics, q_emb, q_lab, r_emb,
+    spectrum = _embedding_space(params, trained, manifest, data_config, device, mode, metrics, q_emb, q_lab, r_emb,
                                 r_lab)
     if params.model.mpn.test_time:  # Intra-Batch's ablation: the MPN at test time, next to the plain metrics
         metrics["mpn"] = _mpn_metrics(params, device, q_emb, q_lab, r_emb, r_lab)

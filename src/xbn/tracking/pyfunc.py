@@ -16,7 +16,8 @@ signature (a tensor signature) still predicts on such a batch.
 
 `model_config` (recorded at logging time from params; `load_model(uri, model_config={...})`, or the
 `SERVING_MODEL_CONFIG` environment variable of `mlflow models serve`, overrides a key): `image_size`,
-`precision` and `channels_last` (`inference` params), `max_pixels` and `allowed_formats` (`serve` params:
+`precision`, `channels_last` and `engine` (`inference` params; ONNX Runtime's graph is exported on load and
+cached, `xbn.evaluation.engine`), `max_pixels` and `allowed_formats` (`serve` params:
 what a decoded upload may be), `path_root` (the folder `path` rows are read under; None: the `path` column
 is refused, so that a served endpoint does not read whatever file a client names).
 
@@ -52,12 +53,13 @@ REGISTERED_MODEL_META = "registered_model_meta"  # mlflow.store.artifact.models_
 # What loading the model imports (xbn's code travels with it: `package_code`); faiss, scipy, pyarrow and tqdm
 # because the modules on the way import them at the top.
 _REQUIREMENTS = ("torch", "torchvision", "timm", "numpy", "pandas", "pillow", "pydantic", "pyyaml", "mlflow",
-                 "faiss-cpu", "scipy", "pyarrow", "tqdm", "filelock")
+                 "faiss-cpu", "scipy", "pyarrow", "tqdm", "filelock",
+                 "onnxruntime", "onnx", "onnxscript")  # `inference.engine` (auto falls back to torch without them)
 
 IMAGE, PATH = "image", "path"  # input columns
 EMBEDDING, ERROR = "embedding", "error"  # output columns
 # model_config keys besides CHECKPOINT_SHA256 (see the module docstring)
-IMAGE_SIZE, PRECISION, CHANNELS_LAST = "image_size", "precision", "channels_last"
+IMAGE_SIZE, PRECISION, CHANNELS_LAST, ENGINE = "image_size", "precision", "channels_last", "engine"
 MAX_PIXELS, ALLOWED_FORMATS, PATH_ROOT = "max_pixels", "allowed_formats", "path_root"
 
 
@@ -96,8 +98,10 @@ class EmbedderModel(mlflow.pyfunc.PythonModel):
         image_size = config.get(IMAGE_SIZE) or _logged_metadata(model_dir).get(IMAGE_SIZE)
         if not image_size:
             raise ValueError(f"{model_dir}: the model records no image_size (model_config or metadata)")
+        # The engine: auto for versions logged before the key (it falls back to torch without onnxruntime).
         self.served = served(model, data_config, int(image_size), config.get(CHECKPOINT_SHA256, ""), device,
-                             config.get(PRECISION, "auto"), config.get(CHANNELS_LAST, "auto"))
+                             config.get(PRECISION, "auto"), config.get(CHANNELS_LAST, "auto"),
+                             engine=config.get(ENGINE, "auto"))
         self.max_pixels = config.get(MAX_PIXELS)
         self.formats = config.get(ALLOWED_FORMATS)
         root = config.get(PATH_ROOT)
@@ -242,6 +246,7 @@ None included: MLflow lets a load override only the keys a model was logged with
         IMAGE_SIZE: params.data.image_size,
         PRECISION: params.inference.precision,
         CHANNELS_LAST: params.inference.channels_last,
+        ENGINE: params.inference.engine,
         MAX_PIXELS: params.serve.max_pixels,
         ALLOWED_FORMATS: list(params.serve.allowed_formats),
         PATH_ROOT: None,

@@ -378,6 +378,24 @@ class Registry:
             tags[ONNX_MODEL_TAG] = f"runs:/{version.run_id}/{ONNX_MODEL_ARTIFACT}"
         self.set_tags(version.version, tags)
 
+    def fetch_onnx(self, version: ModelVersionInfo, dst_dir: str | Path) -> Path | None:
+        """Download `version`'s ONNX graph (`log_onnx`, under `onnx/`) into `dst_dir` and verify it against the
+        version's `onnx_sha256` tag, as `checkpoint` verifies the checkpoint; None when the version has none
+        (never exported). What `inference.engine` runs a registered version's ONNX Runtime on."""
+        expected = version.tags.get(ONNX_SHA_TAG)
+        if not expected:
+            return None
+        listed = self.client.list_logged_model_artifacts(self._logged_model(version), ONNX_ARTIFACT)
+        graphs = [f.path for f in listed if f.path.endswith(".onnx")]
+        if len(graphs) != 1:
+            raise IntegrityError(f"{self.name} v{version.version} records {ONNX_SHA_TAG} but has "
+                                 f"{len(graphs)} .onnx files under {ONNX_ARTIFACT}/")
+        path = Path(mlflow.artifacts.download_artifacts(
+            artifact_uri=f"models:/{self.name}/{version.version}/{graphs[0]}", dst_path=str(dst_dir),
+            tracking_uri=self.uri))
+        verify_file(path, expected, what=f"the ONNX graph of {self.name} v{version.version}")
+        return path
+
     def _logged_model(self, version: ModelVersionInfo) -> str:
         model_id = _model_id(version.source)
         if model_id is None:
