@@ -17,7 +17,9 @@
    refine at the ladder's largest k_factor (so the curve is the cells' bound); then k_factor as the index build
    chooses it (`tune_k_factor`); both to the index's default target_recall (0.95) on the tuning queries, and
    the recall the target (0.9) reads is measured on the held-out queries.
-3. ONNX Runtime vs torch throughput of the served embedder on the CPU, batch 1 and 64, in alternating rounds.
+3. ONNX Runtime vs the served embedder on the CPU, batch 1 and 64, in alternating rounds: `xbn serve`'s embedding
+   path as it runs (`inference.engine: auto`, which races ONNX Runtime against compiled torch on its first batch)
+   and the torch paths (`engine: torch`, eager and compiled), each against raw ONNX Runtime on the same pixels.
 4. Hostile uploads (issue 27; `--only hostile`): 16 parallel `/search` requests, each an RGBA PNG just under
    serve.max_pixels (a small file that decodes to ~160 MB), against the server with its default limits, run in
    a process of its own: its peak RSS (VmHWM) over its idle RSS, the slowest request, and how many were
@@ -64,6 +66,8 @@ CONCURRENCY = 8
 P99_MS, SEARCH_RECALL = 50.0, 0.95  # issue 17: p99 <= 50 ms with IVF at >= 0.95 recall@10 of exact
 PQ_SPEEDUP, PQ_RECALL = 10.0, 0.9  # issue 17: IVF-PQ >= 10x faster than exact at >= 0.9 recall@10
 TORCH_OVER_ONNX = 0.8  # issue 28: the torch path at least 0.8x ONNX Runtime's images/s on the CPU
+SERVE_OVER_ONNX = 0.95  # issue 44 item 2: `xbn serve` (engine auto) at least 0.95x ONNX Runtime's images/s
+QUIET_S = 0.02  # a pause after each timed call: the next engine starts with the last one's threads asleep
 TUNE_QUERIES, CHECK_QUERIES = 300, 1000
 CELLS_SAMPLED = 40  # k-means training points per IVF cell (faiss warns below 39)
 PQ_M = 64  # sub-quantizers of 8 dimensions: 64 bytes a vector, 32x smaller than float32
@@ -139,6 +143,11 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"what": f"ONNX Runtime / {torch_path} images/s, batch {row['batch']} <= "
                             f"{1 / TORCH_OVER_ONNX:g} ({torch_path} >= {TORCH_OVER_ONNX:g}x ONNX)", **r,
                     "verdict": verdict(r["p25"], r["p75"], at_most=1 / TORCH_OVER_ONNX)})
+    for row in (data.get("onnx") or {}).get("serve_rows", []):
+        r = row["serve_over_onnx"]
+        out.append({"what": f"xbn serve (inference.engine: auto) / ONNX Runtime images/s, batch {row['batch']} >= "
+                            f"{SERVE_OVER_ONNX:g}", **r,
+                    "verdict": verdict(r["p25"], r["p75"], at_least=SERVE_OVER_ONNX)})
     return out
 
 
@@ -492,64 +501,84 @@ def bench_ivf_pq(rows: int, settings: dict[str, Any], seed: int) -> dict[str, An
 
 
 def bench_onnx(backbone: str, image_size: int, rounds: tuple[int, int], seed: int) -> dict[str, Any]:
-    """ONNX Runtime against the two torch paths a served model runs: eager (`xbn search`, `xbn index`, `xbn
-    embed`; BatchNorm folded) and compiled (`xbn serve`: `inference.compile: auto`). The three take
-    turns each round, the order rotating, after a first call each (the compile, and the mode's parity check)."""
+    """Raw ONNX Runtime (the exported graph, a default session on the same threads) against the paths a served
+    model runs, all on the same uint8 pixels (what a client of raw ONNX Runtime decodes, resizes and crops to,
+    as `xbn serve` does before its engine): `xbn serve` as it runs (`ServedModel.embed_pixels` with
+    `inference.engine: auto` and `compile: auto`: its first batch races ONNX Runtime against compiled torch and
+    keeps the winner), and torch (`engine: torch`) eager (`xbn search`, `xbn index`, `xbn embed`; BatchNorm
+    folded) and compiled (`xbn serve`). They take turns each round, the order rotating, after a first call each
+    (the race, the compile, the mode's parity check), with a pause after each call (`QUIET_S`)."""
+    import os
+
     import onnxruntime as ort
     import torch
 
     from xbn.config import ModelConfig
-    from xbn.evaluation.inference import settled
+    from xbn.evaluation.engine import CACHE_ENV, FORCE_ENV
     from xbn.models import build_embedder
     from xbn.serving.model import served
     from xbn.serving.onnx_export import INPUT, OUTPUT, export_onnx
 
     torch.manual_seed(seed)
     model, data_config = build_embedder(ModelConfig(backbone=backbone, pretrained="none"))
-    runners = {"eager": served(model, data_config, image_size, compile=False),
-               "compiled": served(model, data_config, image_size, compile=True)}
-    rows, compile_s = [], {}
+    rows, serve_rows, first_s = [], [], {}
     with tempfile.TemporaryDirectory() as tmp:
+        cache, forced = os.environ.get(CACHE_ENV), os.environ.pop(FORCE_ENV, None)
+        os.environ[CACHE_ENV] = tmp  # the serve path exports its own graph (once), not a stale cached one
+        try:
+            runners = {"serve": served(model, data_config, image_size, long_running=True, engine="auto"),
+                       "eager": served(model, data_config, image_size, compile=False, engine="torch"),
+                       "compiled": served(model, data_config, image_size, compile=True, engine="torch")}
+        finally:
+            os.environ.pop(CACHE_ENV)
+            os.environ.update({k: v for k, v in ((CACHE_ENV, cache), (FORCE_ENV, forced)) if v is not None})
         path = export_onnx(runners["eager"], Path(tmp) / "model.onnx")
         options = ort.SessionOptions()
         options.intra_op_num_threads = torch.get_num_threads()  # the same cores for both
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         for batch, n_rounds in zip((1, 64), rounds):
-            # The graph takes uint8 pixels and normalises them itself; torch gets the same pixels normalised.
             pixels = torch.randint(0, 256, (batch, image_size, image_size, 3), dtype=torch.uint8,
-                                   generator=torch.Generator().manual_seed(seed))
-            mean, std = (torch.tensor(data_config[k]).view(1, 3, 1, 1) for k in ("mean", "std"))
-            images = (pixels.permute(0, 3, 1, 2).float().div(255) - mean) / std
-            feed = {INPUT: pixels.numpy()}
+                                   generator=torch.Generator().manual_seed(seed)).numpy()
+            feed = {INPUT: pixels}
             onnx_out = session.run([OUTPUT], feed)[0]
             diffs = {}
             for name, runner in runners.items():
-                if not settled(runner.mode):
-                    runner.embed_tensors(images)  # the first real batch settles the mode; compiling waits for it
-                start = time.perf_counter()
-                diffs[name] = float(np.abs(onnx_out - runner.embed_tensors(images)).max())
-                compile_s[f"{name}_batch_{batch}"] = round(time.perf_counter() - start, 2)
+                start = time.perf_counter()  # batch 1: the race (serve), the compile, the mode's check
+                runner.embed_pixels(pixels)
+                first_s[f"{name}_batch_{batch}"] = round(time.perf_counter() - start, 2)
+                diffs[name] = float(np.abs(onnx_out - runner.embed_pixels(pixels)).max())
             calls = [("onnx", session.run, ([OUTPUT], feed))] + [
-                (name, runner.embed_tensors, (images,)) for name, runner in runners.items()]
+                (name, runner.embed_pixels, (pixels,)) for name, runner in runners.items()]
             seconds: dict[str, list[float]] = {name: [] for name, _, _ in calls}
             for r in range(n_rounds):  # rotating which goes first
-                for name, fn, args in calls[r % 3:] + calls[: r % 3]:
+                for name, fn, args in calls[r % len(calls):] + calls[: r % len(calls)]:
                     seconds[name].append(timed_ms(fn, *args) / 1000)
+                    time.sleep(QUIET_S)
             onnx_s = np.array(seconds["onnx"])
-            for name in runners:
+            for name in ("eager", "compiled"):
                 torch_s = np.array(seconds[name])
                 rows.append({"batch": batch, "torch": name, "rounds": n_rounds, "max_abs_diff": diffs[name],
                              "torch_images_per_s": round(float(np.median(batch / torch_s)), 2),
                              "onnx_images_per_s": round(float(np.median(batch / onnx_s)), 2),
                              "onnx_over_torch": interval(torch_s / onnx_s)})
-    mode = runners["eager"].mode
+            serve_s = np.array(seconds["serve"])
+            serve_rows.append({"batch": batch, "rounds": n_rounds, "max_abs_diff": diffs["serve"],
+                               "engine": runners["serve"].engine.choice.engine if runners["serve"].engine
+                               else "torch",
+                               "serve_images_per_s": round(float(np.median(batch / serve_s)), 2),
+                               "onnx_images_per_s": round(float(np.median(batch / onnx_s)), 2),
+                               "serve_over_onnx": interval(onnx_s / serve_s)})
+    mode, serve = runners["eager"].mode, runners["serve"]
     return {"backbone": backbone, "image_size": image_size, "embedding_dim": runners["eager"].embedding_dim,
             "threads": torch.get_num_threads(), "onnxruntime": ort.__version__, "rows": rows,
-            # the first call of each runner at each batch, after the mode is settled (the compiled one compiles)
-            "first_call_s": compile_s,
+            "serve_rows": serve_rows,
+            # the first call of each runner at each batch (the serve path's race and the compiles at batch 1)
+            "first_call_s": first_s,
             "compiled": runners["compiled"].compile,  # false when compiling failed and it fell back to eager
             # the torch path as served: inference.* auto (memory format and precision chosen at run time)
-            "torch_mode": mode.describe(), "torch_mode_record": mode.record()}
+            "torch_mode": mode.describe(), "torch_mode_record": mode.record(),
+            # what `xbn serve`'s auto chose on its first batch (batch 1), and the two engines' rates there
+            "serve_engine": serve.describe(), "serve_engine_record": serve.record()}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -622,6 +651,17 @@ def render(data: dict[str, Any]) -> str:
                                  f"{r['onnx_over_torch']['median']} [{r['onnx_over_torch']['p25']}, "
                                  f"{r['onnx_over_torch']['p75']}]", f"{r['max_abs_diff']:.1e}"]
                                 for r in o["rows"]]), ""]
+        if o.get("serve_rows"):
+            out += [f"**`xbn serve` vs ONNX Runtime** (issue 44 item 2): the serve path's engine call "
+                    f"(`inference.engine: auto`) on the same pixels as raw ONNX Runtime; auto chose on its first "
+                    f"batch (batch 1): {o['serve_engine']}.", "",
+                    markdown_table(["batch", "engine", "rounds", "xbn serve images/s", "ONNX images/s",
+                                    "serve / ONNX median [p25, p75]", "max abs diff"],
+                                   [[r["batch"], r["engine"], r["rounds"], r["serve_images_per_s"],
+                                     r["onnx_images_per_s"],
+                                     f"{r['serve_over_onnx']['median']} [{r['serve_over_onnx']['p25']}, "
+                                     f"{r['serve_over_onnx']['p75']}]", f"{r['max_abs_diff']:.1e}"]
+                                    for r in o["serve_rows"]]), ""]
     return "\n".join(out)
 
 

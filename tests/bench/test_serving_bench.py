@@ -115,3 +115,21 @@ def test_a_re_ranked_pq_says_its_store_and_k_factor():
     assert "re-ranked exactly from an fp16 store" in text and "k_factor 8 is the smallest" in text
     assert "1: 0.6163, 2: 0.729, 4: 0.8317, 8: 0.921" in text
     assert serving_bench.targets(SERVING)[1]["what"].endswith("nprobe 16, fp16 re-rank k_factor 8")
+
+
+def test_xbn_serve_against_onnx_runtime_is_a_target_at_each_batch():
+    data = copy.deepcopy(SERVING)
+    data["onnx"] |= {"serve_engine": "float32, NCHW; engine onnxruntime (torch 52.0 img/s, onnxruntime 77.0 img/s, "
+                                     "min cosine to torch float32 1.000000), chosen by auto: faster than torch",
+                     "serve_rows": [
+                         {"batch": 1, "rounds": 30, "max_abs_diff": 0.0, "engine": "onnxruntime",
+                          "serve_images_per_s": 76.9, "onnx_images_per_s": 77.4,
+                          "serve_over_onnx": {"median": 0.99, "p25": 0.97, "p75": 1.01, "n": 30}},
+                         {"batch": 64, "rounds": 6, "max_abs_diff": 0.0, "engine": "onnxruntime",
+                          "serve_images_per_s": 37.1, "onnx_images_per_s": 40.3,
+                          "serve_over_onnx": {"median": 0.93, "p25": 0.9, "p75": 0.97, "n": 6}}]}
+    found = serving_bench.targets(data)[4:]
+    assert [t["verdict"] for t in found] == ["met", "inconclusive"]  # [0.97, 1.01] >= 0.95; [0.9, 0.97] straddles
+    assert found[0]["what"] == "xbn serve (inference.engine: auto) / ONNX Runtime images/s, batch 1 >= 0.95"
+    text = serving_bench.render(data)
+    assert "**`xbn serve` vs ONNX Runtime**" in text and "| 64 | onnxruntime | 6 | 37.1 | 40.3 | 0.93 [0.9, 0.97]" in text

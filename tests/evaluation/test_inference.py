@@ -308,4 +308,4 @@ def test_xbn_serve_asks_for_a_long_running_model(tmp_path):
     assert serving_app(params, local=True, token=None).state.holder.source.inference["long_running"] is True
     assert model_source(params, local=True).inference["long_running"] is False
     assert model_source(params, local=True, long_running=True).inference == {
-        "precision": "auto", "channels_last": "auto", "compile": "auto", "long_running": True}
+        "precision": "auto", "channels_last": "auto", "compile": "auto", "engine": "auto", "long_running": True}

@@ -5,19 +5,21 @@ errors naming the key. A tiny real model, real PNG files."""
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from types import SimpleNamespace
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from serving_support import IMAGE_SIZE
 from tests_support import ROOT
 
 import xbn.evaluation.engine as engine_module
-import xbn.serving.onnx_export as onnx_export
 from xbn.config import ConfigError, load_params
 from xbn.evaluation.engine import PARITY_COSINE, OnnxEngine, cached_graph_path, engine_for
+from xbn.serving import onnx_export
 from xbn.serving.model import load_served_model, open_image
 from xbn.utils.integrity import sidecar_path
 
@@ -63,7 +65,7 @@ def test_onnxruntime_embeds_real_images_as_torch(model_path, image_root):
     assert_same_embeddings(ort_model.embed_images(images), expected)  # the pixels straight to ONNX Runtime
     assert_same_embeddings(ort_model.embed_images(images[:1]), expected[:1])  # batch 1
     # A DataLoader's normalised tensors (index, embed, evaluate) go back to their pixels, then to ONNX Runtime.
-    frame = __import__("pandas").read_csv(image_root / "manifest.csv")
+    frame = pd.read_csv(image_root / "manifest.csv")
     rows = ort_model.embed_frame(frame, image_root, batch_size=10)
     assert rows.kept == list(range(len(frame)))
     assert_same_embeddings(rows.embeddings, torch_model.embed_frame(frame, image_root, batch_size=10).embeddings)
@@ -143,7 +145,7 @@ def test_the_graph_is_exported_once_and_a_corrupted_copy_is_rebuilt(model_path, 
     assert_same_embeddings(again.embed_images(images), expected)
 
     path.write_bytes(b"not a graph")  # replaced, sidecar and all: the sha matches but it does not load
-    sidecar_path(path).write_text(f"{__import__('hashlib').sha256(b'not a graph').hexdigest()}  {path.name}\n")
+    sidecar_path(path).write_text(f"{hashlib.sha256(b'not a graph').hexdigest()}  {path.name}\n")
     again = load_served_model(model_path, IMAGE_SIZE, engine="onnxruntime")
     assert len(exports) == 3 and "does not load" in caplog.text
     assert_same_embeddings(again.embed_images(images), expected)

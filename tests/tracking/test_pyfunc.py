@@ -206,3 +206,19 @@ def test_a_version_logged_with_the_tensor_signature_still_predicts_on_tensors(pa
     with torch.no_grad():
         expected = embedder(torch.from_numpy(batch)).numpy()
     np.testing.assert_allclose(mlflow.pyfunc.load_model(uri).predict(batch), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_pyfunc_runs_the_engine_it_is_configured_with(params, logged, tmp_path, monkeypatch):
+    from xbn.tracking.pyfunc import ENGINE, model_config
+
+    monkeypatch.setenv("XBN_CACHE_DIR", str(tmp_path / "cache"))  # the graph it exports on load
+    assert model_config(params, "")[ENGINE] == params.inference.engine == "auto"
+    files = write_images(tmp_path / "images")
+    frame = pd.DataFrame({IMAGE: [f.read_bytes() for f in files]})
+    default = mlflow.pyfunc.load_model(logged)  # auto, which the suite pins to torch (tests/conftest.py)
+    assert default.unwrap_python_model().served.engine is None
+    onnx = mlflow.pyfunc.load_model(logged, model_config={ENGINE: "onnxruntime"})
+    assert onnx.unwrap_python_model().served.engine.runs_onnx
+    expected = np.array(default.predict(frame)[EMBEDDING].tolist(), dtype=np.float32)
+    got = np.array(onnx.predict(frame)[EMBEDDING].tolist(), dtype=np.float32)
+    assert ((got * expected).sum(1) >= 0.9999).all() and np.abs(got - expected).max() <= 1e-5

@@ -113,14 +113,16 @@ TORCH = EngineChoice(chosen_by="params")
 
 def session(path: str | Path, threads: int | None = None):
     """An ONNX Runtime CPU session over the graph at `path`: every graph optimisation, intra-op threads = the
-    cores this process may use (`usable_cores`), and threads that sleep rather than spin when idle: on 2 cores a
+    cores this process may use (`usable_cores`), no more than torch's own thread count (which a catalogue worker's
+    `catalogue.threads_per_worker`, OMP_NUM_THREADS or `torch.set_num_threads` lowered: both engines then use
+    the cores they were given, and a race between them is fair), and threads that sleep rather than spin when idle: on 2 cores a
     spinning ONNX Runtime pool slowed the torch work beside it (a loader's normalisation, `pixels_of`, the race)
     from 2 ms to 430 ms a batch for tens of milliseconds after each call, while it ran itself as fast."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = threads or usable_cores()
+    options.intra_op_num_threads = threads or max(1, min(usable_cores(), torch.get_num_threads()))
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.log_severity_level = 3  # errors only: its warnings about unused initializers are noise here

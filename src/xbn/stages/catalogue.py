@@ -181,8 +181,10 @@ def embed_shard(params: Params, version: int, shard: Shard) -> dict[str, Any]:
               "pid": os.getpid(), "started": time.time()}
     if output.exists():
         return {**report, "finished": report["started"]}
+    # Dask workers start with OMP_NUM_THREADS=1; set before the model loads, whose ONNX Runtime session (if
+    # `inference.engine` runs it) takes as many threads as torch has (`xbn.evaluation.engine.session`)
+    torch.set_num_threads(params.catalogue.threads_per_worker)
     model = worker_model(params, version)
-    torch.set_num_threads(params.catalogue.threads_per_worker)  # Dask workers start with OMP_NUM_THREADS=1
     fix_malloc_thresholds()  # and with a malloc trim threshold that made embedding 3x slower there
     running = output.with_name(f"{output.name}.running")
     write_json(running, {"pid": os.getpid(), "host": report["host"], "started": report["started"]})
