@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -173,3 +174,79 @@ def test_bad_engine_settings_are_config_errors_naming_the_key(tiny_params):
     assert engine_for(on_gpu, "auto") is None  # auto on CUDA: torch
     with pytest.raises(ConfigError, match=r"inference\.engine"):
         engine_for(on_gpu, "fast")
+
+
+def test_export_checks_parity_against_torch_whatever_engine_the_model_runs(model_path, image_root, tmp_path,
+                                                                          monkeypatch):
+    from xbn.serving.onnx_export import check_parity, export_onnx
+
+    model = load_served_model(model_path, IMAGE_SIZE, engine="onnxruntime")
+    graph = export_onnx(model, tmp_path / "model.onnx")
+    real = OnnxEngine.embed_pixels  # the served model's own ONNX Runtime, broken: parity reads torch, not it
+    monkeypatch.setattr(OnnxEngine, "embed_pixels", lambda self, pixels: -real(self, pixels))
+    assert check_parity(model, graph, sorted(image_root.rglob("*.png"))[:4]) <= 1e-4
+
+
+def test_a_registered_version_serves_its_own_checked_graph(tmp_path, monkeypatch):
+    import yaml
+    from tracking.helpers import run_pipeline, write_manifest
+
+    from xbn.cli import main
+    from xbn.config import Params
+    from xbn.serving.http import RegistryModelSource
+    from xbn.tracking import PARENT_RUN_ENV, Registry
+    from xbn.tracking.registry import ONNX_SHA_TAG
+    from xbn.utils.errors import IntegrityError
+
+    monkeypatch.chdir(tmp_path)
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID",
+                PARENT_RUN_ENV):
+        monkeypatch.delenv(var, raising=False)
+    write_manifest(tmp_path / "data/manifest.csv", "v1")
+    params = Params.model_validate({
+        "data": {"root": "data/images", "image_size": 32, "num_workers": 0},
+        "model": {"backbone": "test_resnet", "pretrained": "none", "embedding_dim": 8},
+        "tracking": {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}, "index": {"source": "data/manifest.csv"}})
+    Path("params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
+    version = run_pipeline(params, seed=0)["version"]
+    assert main(["export", "--format", "onnx", "--params", "params.yaml", "-q"]) == 0  # attached to the version
+    registry = Registry(params)
+    info = registry.get(version)
+    fetched = registry.fetch_onnx(info, tmp_path / "fetched")
+    assert fetched.read_bytes() == Path("models/model.onnx").read_bytes()
+    assert info.tags[ONNX_SHA_TAG] == hashlib.sha256(fetched.read_bytes()).hexdigest()
+
+    source = RegistryModelSource(registry, registry.fetch_index, tmp_path / "serve-cache", pinned=version,
+                                 inference={"engine": "onnxruntime"})
+    _, model = source.load_model()
+    assert model.engine.path.is_relative_to(tmp_path / "serve-cache")  # the version's graph, not an export
+
+    stored = [p for p in tmp_path.rglob("model.onnx") if "mlruns" in p.parts or "mlartifacts" in p.parts
+              or "artifacts" in str(p)]
+    stored = [p for p in stored if not p.is_relative_to(tmp_path / "fetched")
+              and not p.is_relative_to(tmp_path / "serve-cache") and not p.is_relative_to(tmp_path / "models")]
+    assert stored, list(tmp_path.rglob("*.onnx"))
+    for file in stored:  # the artifact store altered: the download is refused, not served
+        file.write_bytes(file.read_bytes() + b"\0")
+    with pytest.raises(IntegrityError, match="ONNX graph"):
+        registry.fetch_onnx(info, tmp_path / "again")
+
+
+def test_evaluate_embeds_with_the_engine_and_records_it(tiny_params, tmp_path):
+    from xbn.models import build_embedder, save_embedder
+    from xbn.stages.evaluate import evaluate
+    from xbn.stages.prepare import prepare
+
+    metrics = {}
+    for engine in ("torch", "onnxruntime"):
+        params = tiny_params(f"inference.engine={engine}", "eval.baseline=false", "eval.embedding_space=false")
+        if engine == "torch":
+            prepare(params)
+            torch.manual_seed(0)
+            model, data_config = build_embedder(params.model)
+            save_embedder(Path(params.train.checkpoint_dir) / "model.pt", model, params.model, data_config)
+        metrics[engine] = evaluate(params)
+    assert metrics["onnxruntime"]["inference"]["onnxruntime"] == 1.0
+    assert metrics["torch"]["inference"]["onnxruntime"] == 0.0
+    for key in ("recall@1", "recall@4", "map@r"):
+        assert metrics["onnxruntime"][key] == pytest.approx(metrics["torch"][key], abs=1e-6)

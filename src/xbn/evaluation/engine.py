@@ -194,7 +194,7 @@ class OnnxEngine:
             cosine = F.cosine_similarity(torch.from_numpy(outputs["onnxruntime"]), reference.float().cpu(),
                                          dim=1).min().item()
             ort_rate, torch_rate = rates["onnxruntime"], rates["torch"]
-            batch = f"on the first batch ({len(images)} images)"
+            batch = f"on the first batch ({len(images)} image{'s' if len(images) > 1 else ''})"
             if cosine < PARITY_COSINE:
                 engine, why = "torch", (f"auto: onnxruntime disagrees with torch float32 {batch} (min cosine "
                                         f"{cosine:.6f} < {PARITY_COSINE})")

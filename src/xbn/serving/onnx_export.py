@@ -187,7 +187,8 @@ def check_parity(
     if not image_paths:
         raise ValueError("parity needs at least one image")
     images = [open_image(p) for p in image_paths]
-    expected = dataclasses.replace(model, mode=FLOAT32).embed_images(images)  # the graph is float32
+    # torch in float32 (the graph is float32), whatever engine `model` itself runs
+    expected = dataclasses.replace(model, mode=FLOAT32, engine=None).embed_images(images)
     got = onnx_embed(path, np.stack([model.pixels(image) for image in images]))
     diff = float(np.abs(got - expected).max())
     log.info("ONNX parity on %d image(s): max |diff| %.2e (tolerance %.0e)", len(image_paths), diff, atol)

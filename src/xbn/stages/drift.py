@@ -90,11 +90,16 @@ def _embed(params: Params, checkpoint: str | Path, old: pd.DataFrame, new: pd.Da
     import torch
 
     from xbn.evaluation.embed import embed_split
+    from xbn.evaluation.engine import engined
     from xbn.evaluation.inference import inference_mode
+    from xbn.evaluation.served import model_engine
     from xbn.models import load_embedder
+    from xbn.utils.io import file_digest
 
     model, data_config, _ = load_embedder(checkpoint, map_location="cpu", verify=False)  # checked on download
     mode = inference_mode(params, model, torch.device("cpu"))
+    model = engined(model, model_engine(model, data_config, params.data.image_size, file_digest(checkpoint), "cpu",
+                                        params.inference.engine))
     frame = pd.concat([old.assign(split="old"), new.assign(split="new")], ignore_index=True)
     codes = dict(enumerate(sorted(frame["label"].unique())))  # embed_split's label codes: the sorted labels
     out = []

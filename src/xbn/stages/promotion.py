@@ -240,9 +240,12 @@ def score(params: Params, checkpoint: str | Path, image_size: int | None = None)
     `data.image_size`, normalised as the checkpoint records) and score it, per query too."""
     from xbn.data import read_manifest
     from xbn.evaluation.embed import embed_protocol
+    from xbn.evaluation.engine import engined
     from xbn.evaluation.inference import choose_inference_mode
     from xbn.evaluation.metrics import retrieval_metrics
+    from xbn.evaluation.served import model_engine
     from xbn.models import load_embedder
+    from xbn.utils.io import file_digest
     from xbn.utils.runtime import resolve_device
 
     cfg = params.registry
@@ -250,8 +253,9 @@ def score(params: Params, checkpoint: str | Path, image_size: int | None = None)
     model, data_config, _ = load_embedder(checkpoint, map_location=device)
     size = image_size or params.data.image_size
     mode = choose_inference_mode(model, device, size, params.inference.precision, params.inference.channels_last)
+    engine = model_engine(model, data_config, size, file_digest(checkpoint), device, params.inference.engine)
     embedded = embed_protocol(
-        model, read_manifest(params.data.manifest), params.data.root, cfg.gate_split,
+        engined(model, engine), read_manifest(params.data.manifest), params.data.root, cfg.gate_split,
         image_size=size, mean=data_config["mean"], std=data_config["std"],
         batch_size=params.eval.batch_size, num_workers=params.data.num_workers, device=device,
         mode=mode)
