@@ -112,12 +112,12 @@ TORCH = EngineChoice(chosen_by="params")
 
 
 def session(path: str | Path, threads: int | None = None):
-    """An ONNX Runtime CPU session over the graph at `path`: every graph optimisation, intra-op threads = the
-    cores this process may use (`usable_cores`), no more than torch's own thread count (which a catalogue worker's
-    `catalogue.threads_per_worker`, OMP_NUM_THREADS or `torch.set_num_threads` lowered: both engines then use
-    the cores they were given, and a race between them is fair), and threads that sleep rather than spin when idle: on 2 cores a
-    spinning ONNX Runtime pool slowed the torch work beside it (a loader's normalisation, `pixels_of`, the race)
-    from 2 ms to 430 ms a batch for tens of milliseconds after each call, while it ran itself as fast."""
+    """An ONNX Runtime CPU session over the graph at `path`: every graph optimisation; intra-op threads = the
+    cores this process may use (`usable_cores`), no more than torch's own thread count (which a catalogue
+    worker's `catalogue.threads_per_worker`, OMP_NUM_THREADS or `torch.set_num_threads` lowered: both engines
+    use the cores they were given, and a race between them is fair); threads that sleep rather than spin when
+    idle: on 2 cores a spinning pool slowed the torch work beside it (a loader's normalisation, `pixels_of`, the
+    race) from 2 ms to 430 ms a batch for tens of milliseconds after each call, and ran no faster itself."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()

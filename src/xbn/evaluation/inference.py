@@ -19,6 +19,9 @@ runs it through torch.compile (inductor, weights frozen as constants, so each ac
 convolution): 197 img/s at batch 1 against ONNX Runtime's 209 (eager: 122), for a one-off compile of 5 to 15 s
 that only a long-running process earns back, so `inference.compile: auto` compiles in `xbn serve`
 (`python -m benchmarks serving`, docs/benchmarks.md).
+
+Which engine runs the model, torch in this mode or ONNX Runtime on its exported graph, is `inference.engine`
+(`xbn.evaluation.engine`).
 """
 
 from __future__ import annotations

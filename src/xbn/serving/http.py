@@ -191,8 +191,12 @@ class RegistryModelSource:
     def _onnx_graph(self, info: Any) -> Path | None:
         """The version's own ONNX graph (sha256-verified against its tag) when `inference.engine` may run
         ONNX Runtime on the CPU; None (a graph is exported and cached instead) when it has none."""
+        from xbn.evaluation.engine import forced_onnxruntime
+
         fetch = getattr(self.registry, "fetch_onnx", None)
-        if fetch is None or self.inference.get("engine", "auto") == "torch" or self.device != "cpu":
+        engine = self.inference.get("engine", "auto")
+        if (fetch is None or engine == "torch" or self.device != "cpu"
+                or (engine == "auto" and forced_onnxruntime() is False)):
             return None
         return fetch(info, self._dir(info))
 
