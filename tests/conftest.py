@@ -15,12 +15,15 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # its thread races cl
 # processes must not differ by a probe. tests/evaluation/test_inference.py and the kNN tests pin both branches.
 os.environ.setdefault("XBN_CPU_BF16", "0")
 # Likewise `inference.engine: auto` keeps torch (no ONNX export, no race) unless a test turns ONNX Runtime on
-# (tests/evaluation/test_engine.py); graphs a test exports are cached under a temporary folder, not ~/.cache.
+# (tests/serving/test_engine.py); graphs a test exports are cached under a temporary folder, not ~/.cache.
 os.environ.setdefault("XBN_ONNXRUNTIME", "0")
-if "XBN_CACHE_DIR" not in os.environ:
+if "XBN_CACHE_DIR" not in os.environ:  # before xdist starts its workers: they share it; its maker removes it
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["XBN_CACHE_DIR"] = tempfile.mkdtemp(prefix="xbn-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["XBN_CACHE_DIR"], True)
 # make test's two xdist workers share 2 cores: one OpenMP thread each, and in every process they start. Threads
 # that outnumber the cores spin-wait on each other (measured: a bf16 test 4 s alone, 76 s beside the other worker).
 if os.environ.get("PYTEST_XDIST_WORKER"):
