@@ -53,7 +53,7 @@ def _names(path: Path) -> set[str]:
 def test_make_run_installs_the_runtime_set_alone_and_make_test_adds_the_test_tools():
     runtime, dev = _names(ROOT / "requirements/lock.txt"), _names(ROOT / "requirements/lock-dev.txt")
     assert not runtime & dev
-    tools = {"pytest", "pytest-xdist", "hypothesis", "selenium", "scikit-image"}
+    tools = {"pytest", "pytest-xdist", "hypothesis", "selenium", "scikit-image", "ruff", "mypy"}
     assert tools <= dev and not tools & runtime
     makefile = (ROOT / "Makefile").read_text()
     assert "\nrun: install\n" in makefile and "\ntest: install-dev\n" in makefile
@@ -61,7 +61,8 @@ def test_make_run_installs_the_runtime_set_alone_and_make_test_adds_the_test_too
 
 # Top-level modules that only requirements/lock-dev.txt installs.
 DEV_MODULES = ("pytest", "_pytest", "xdist", "execnet", "hypothesis", "selenium", "skimage", "imageio", "tifffile",
-               "trio", "trio_websocket", "outcome", "wsproto", "socks", "websocket", "lazy_loader", "iniconfig")
+               "trio", "trio_websocket", "outcome", "wsproto", "socks", "websocket", "lazy_loader", "iniconfig",
+               "mypy", "mypyc", "mypy_extensions", "librt", "ast_serialize")
 
 
 def test_every_xbn_module_imports_without_the_test_tools():
