@@ -54,7 +54,8 @@ def _format_error(err: ValidationError) -> str:
 def _dotted_key(loc: tuple) -> str:
     """The params key of an error's `loc`, less the tags pydantic adds for the member of a union it tried
     (`train.channels_last.literal['auto']` -> `train.channels_last`): the key is what a user can look up."""
-    parts, annotation = [], Params
+    parts: list[str] = []
+    annotation: Any = Params  # a field's annotation: a model, a union, any other type form
     for part in loc:
         members = [a for a in get_args(annotation) if a is not type(None)]
         if get_origin(annotation) in (Union, types.UnionType) and len(members) > 1:
@@ -80,7 +81,7 @@ def _closest(loc: tuple) -> str | None:
     return ".".join([*(str(p) for p in loc[:-1]), matches[0]]) if matches else None
 
 
-def flatten(params: Params | dict, prefix: str = "") -> dict[str, Any]:
+def flatten(params: BaseModel | dict, prefix: str = "") -> dict[str, Any]:
     """`{"memory": {"kalman": {"r": 1}}}` -> `{"memory.kalman.r": 1}` (for tracking and hashing)."""
     data = params.model_dump() if isinstance(params, BaseModel) else params
     out: dict[str, Any] = {}

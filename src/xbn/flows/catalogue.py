@@ -24,6 +24,7 @@ import argparse
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 # Before Prefect is imported: its ephemeral server's analytics print a "database is locked" traceback per run.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -134,9 +135,11 @@ def catalogue(params_path: str = "params.yaml", overrides: list[str] | None = No
     params = for_workers(load_params(params_path, list(overrides or [])))
     planned = plan_catalogue(params, version)
     todo = planned.todo()
-    report = {"version": planned.version, "model_sha256": planned.model_sha256, "fingerprint": planned.fingerprint,
-              "rows": planned.rows, "shards": len(planned.shards), "shards_done_before": len(planned.shards) -
-              len(todo), "embedded": [], "index": None, "up_to_date": False}
+    report: dict[str, Any] = {
+        "version": planned.version, "model_sha256": planned.model_sha256, "fingerprint": planned.fingerprint,
+        "rows": planned.rows, "shards": len(planned.shards),
+        "shards_done_before": len(planned.shards) - len(todo), "embedded": [], "index": None,
+        "up_to_date": False}
     if todo:
         runner = task_runner(params, address)
         logger.info("embedding %d shard(s) on %s", len(todo), scheduler_address(params, address) or "a LocalCluster")

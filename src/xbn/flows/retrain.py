@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 # Before Prefect is imported: its ephemeral server's analytics print a "database is locked" traceback per run.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -40,7 +42,7 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NO_CACHE
+from prefect.cache_policies import NO_CACHE, CachePolicy
 from prefect.runtime import flow_run, task_run
 
 from xbn.config import ConfigError, Params, load_params
@@ -79,7 +81,18 @@ def _recorded(stage: str, params: Params, run):
     return result
 
 
-TASK_OPTIONS = {"retries": 2, "retry_delay_seconds": 10, "retry_condition_fn": _transient, "cache_policy": NO_CACHE}
+class TaskDefaults(TypedDict):
+    """Every task's options, typed so that `@task(**TASK_OPTIONS)` matches the decorator's overloads (a plain
+    dict's values are `object` to a type checker)."""
+
+    retries: int
+    retry_delay_seconds: int
+    retry_condition_fn: Callable[..., bool]
+    cache_policy: CachePolicy
+
+
+TASK_OPTIONS = TaskDefaults(retries=2, retry_delay_seconds=10, retry_condition_fn=_transient,
+                            cache_policy=NO_CACHE)
 
 
 @task(**TASK_OPTIONS)
@@ -367,7 +380,7 @@ def _train_to_registry(params: Params, tuned: dict, decision: dict, loaded_from:
     metrics = evaluate_model(params)
     registered = register_model(params, {"request_hash": decision["request_hash"]} if decision["request_hash"]
                                 else {}) if params.tracking.enabled else None
-    promoted = bool(registered) and registered["decision"] == "promoted"
+    promoted = bool(registered and registered["decision"] == "promoted")
     fault_point("retrain.after_register")  # promoted by the gate, not champion until its index is attached
     full_catalogue = None
     if promoted and params.catalogue.source and params.catalogue.on_promotion:
@@ -375,11 +388,13 @@ def _train_to_registry(params: Params, tuned: dict, decision: dict, loaded_from:
         # attached its index, serving keeps the previous champion (a version without an index is not loaded).
         from xbn.flows.catalogue import catalogue as catalogue_flow
 
+        assert registered is not None  # promoted: registered
         full_catalogue = catalogue_flow(*loaded_from, version=registered["version"])
         catalogue = {"version": registered["version"], **(full_catalogue["index"] or {})}  # None: up to date
     else:
         catalogue = index_catalogue(params)
     if promoted:  # promote last: the index stage made it champion once its index was attached
+        assert registered is not None
         registered = {**registration_of(params, registered["version"]),
                       "already_registered": registered.get("already_registered")}
     markdown = summary_markdown(params) + f"\n\n**Plan:** {decision['reason']}"

@@ -28,7 +28,7 @@ def run_study(params: Params, workers: int) -> dict:
     return tune(params, workers=workers)
 
 
-@task(**{**TASK_OPTIONS, "retries": 0})
+@task(**TASK_OPTIONS | {"retries": 0})
 def merge_best(params_path: str, summary: dict) -> dict:
     from xbn.tuning import apply_tuned, tuned_values
 
