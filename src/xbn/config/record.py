@@ -117,7 +117,7 @@ def resolve_params(path: str | Path | None, overrides: list[str] | None, stage: 
     params = load_params(path, overrides)
     record = read_record(record_path)
     earlier = completed(record, stage)
-    if not earlier:
+    if record is None or not earlier:
         return params
     recorded: dict = record["params"]
     mine = params.model_dump(mode="json")

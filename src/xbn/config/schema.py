@@ -17,10 +17,14 @@ from pydantic_core import PydanticCustomError
 from xbn.config.errors import close_matches
 from xbn.config.tune_space import dimension_problem, key_problem
 
-DATASETS = ("glyphs", "cub", "cars196", "sop", "inshop", "deepfashion2", "folder", "csv")
+# Each set of choices written once: the Literal types the fields (a type checker reads no Literal of a tuple
+# variable); its args are the tuples that the CLI and the error messages list.
+Dataset = Literal["glyphs", "cub", "cars196", "sop", "inshop", "deepfashion2", "folder", "csv"]
+DATASETS: tuple[str, ...] = typing.get_args(Dataset)
 # oracle: a diagnostic (issue 42), not for production: every stored row re-embedded from its input by the current
 # model, i.e. a memory with no drift at all, the upper bound any drift correction can reach.
-MEMORY_METHODS = ("none", "xbm", "xbn", "axbn", "ema", "axbn_auto", "oracle")
+MemoryMethod = Literal["none", "xbm", "xbn", "axbn", "ema", "axbn_auto", "oracle"]
+MEMORY_METHODS: tuple[str, ...] = typing.get_args(MemoryMethod)
 LAMBDA_KEY = "memory.kalman.r/q"  # tune.space's lambda = r/q of AXBN (tune.lambda_mode)
 
 
@@ -85,7 +89,7 @@ class GlyphsConfig(Section):
 
 
 class DataConfig(Section):
-    dataset: Literal[DATASETS] = "glyphs"
+    dataset: Dataset = "glyphs"
     root: str = "data/glyphs"
     # csv datasets: the label file (path,label,split); default <root>/labels.csv.
     labels_file: str | None = None
@@ -169,7 +173,7 @@ class KalmanConfig(Section):
 
 
 class MemoryConfig(Section):
-    method: Literal[MEMORY_METHODS] = "xbn"
+    method: MemoryMethod = "xbn"
     # <= 1: a fraction of the training set; > 1: an absolute number of rows.
     size: float = Field(1.0, gt=0.0)
     # When the memory joins the loss: after the head warm-up (seed 000 Sec. 5.1: the warm-up is plain SupCon on
@@ -488,6 +492,18 @@ class TuneConfig(Section):
         step: float | None = None
         choices: list[bool | int | float | str] | None = None
 
+        @property
+        def bounds(self) -> tuple[float, float]:
+            """(low, high) of a float or int dimension: the space's validator refuses one without them."""
+            assert self.low is not None and self.high is not None, f"a {self.type} dimension without bounds"
+            return self.low, self.high
+
+        @property
+        def options(self) -> list[bool | int | float | str]:
+            """The choices of a categorical dimension (validated non-empty)."""
+            assert self.choices is not None, f"a {self.type} dimension has no choices"
+            return self.choices
+
     # Dotted params keys; any key of the schema can be added (a typo is refused by name). The default asks
     # whether a memory helps on this data at all (`none` is a choice), and AXBN's lambda around seed 000's 0.01.
     space: dict[str, Dimension] = Field(default_factory=lambda: {
@@ -533,7 +549,7 @@ class TuneConfig(Section):
         batch = self.space.get(BATCH_KEY)
         if batch is not None and self.max_batch_size is not None:
             numbers = [c for c in batch.choices or () if isinstance(c, (int, float)) and not isinstance(c, bool)]
-            largest = max(numbers, default=0) if batch.type == "categorical" else batch.high
+            largest = max(numbers, default=0) if batch.type == "categorical" else batch.bounds[1]
             if largest > self.max_batch_size:
                 raise ValueError(f"tune.space.{BATCH_KEY}: {largest:g} is above tune.max_batch_size "
                                  f"({self.max_batch_size}), the largest batch you said fits")
@@ -548,15 +564,17 @@ class TuneConfig(Section):
                                      f"'{key}'; lambda = r/q spans the range of the two)")
         return self
 
-INDEX_TYPES = ("flat", "ivf_flat", "ivf_pq", "hnsw")
-REFINE_STORES = ("none", "fp16", "flat")  # ivf_pq's exact re-rank store (xbn.serving.index.refined)
+IndexType = Literal["flat", "ivf_flat", "ivf_pq", "hnsw"]
+INDEX_TYPES: tuple[str, ...] = typing.get_args(IndexType)
+RefineStore = Literal["none", "fp16", "flat"]  # ivf_pq's exact re-rank store (xbn.serving.index.refined)
+REFINE_STORES: tuple[str, ...] = typing.get_args(RefineStore)
 
 
 class IndexConfig(Section):
     """Stage `index`: the catalogue's faiss index, built with the model being registered (xbn.serving.index)."""
 
     source: str = "test"  # "test" (the manifest's gallery) or a folder / manifest-format CSV of images
-    type: Literal[INDEX_TYPES] = "flat"
+    type: IndexType = "flat"
     min_rows_approx: int = Field(10_000, ge=0)  # fewer rows: an approximate type is built as flat
     nlist: int | None = Field(None, ge=1)  # IVF cells; None: 4·sqrt(rows), at least 39 rows per cell
     nprobe: int = Field(16, ge=1)  # IVF cells visited per query
@@ -565,7 +583,7 @@ class IndexConfig(Section):
     # ivf_pq: re-rank k x k_factor PQ candidates by the exact inner product with vectors kept beside the
     # codes, fp16 (2 bytes a dimension) or flat (float32); none: PQ's approximate scores only (recall@10 ~0.6
     # at 1M rows).
-    refine: Literal[REFINE_STORES] = "fp16"
+    refine: RefineStore = "fp16"
     # k_factor: the smallest of `k_factors` whose recall@10 of exact reaches `target_recall` on held-out
     # tuning queries at build time (the largest tried when none does: then raise nprobe).
     target_recall: float = Field(0.95, gt=0.0, le=1.0)
@@ -699,7 +717,8 @@ class Params(Section):
     eval: EvalConfig = EvalConfig()
     inference: InferenceConfig = InferenceConfig()
     refine: RefineConfig = RefineConfig()
-    validate: ValidateConfig = ValidateConfig()
+    # The stage's name shadows pydantic's deprecated classmethod BaseModel.validate, which nothing here calls.
+    validate: ValidateConfig = ValidateConfig()  # type: ignore[assignment]
     tracking: TrackingConfig = TrackingConfig()
     registry: RegistryConfig = RegistryConfig()
     tune: TuneConfig = TuneConfig()
@@ -734,6 +753,7 @@ class Params(Section):
         mpn = self.model.mpn.resolved(self.data.dataset)
         if mpn.test_time and not mpn.enabled:
             raise ValueError("model.mpn.test_time needs a trained MPN: set model.mpn.enabled=true")
+        assert mpn.heads is not None  # resolved() fills it
         if mpn.enabled and self.model.embedding_dim % mpn.heads:
             raise ValueError(f"model.embedding_dim ({self.model.embedding_dim}) must be divisible by "
                              f"model.mpn.heads ({mpn.heads}): each head is embedding_dim / heads wide")

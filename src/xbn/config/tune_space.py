@@ -36,11 +36,11 @@ def key_problem(schema: type[BaseModel], key: str) -> str | None:
         if field is None:
             return f"is not a params key ('{part}' is unknown)"
         kind, last = field.annotation, i == len(parts) - 1
-        is_section = isinstance(kind, type) and issubclass(kind, BaseModel)
+        section = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else None
         is_mapping = getattr(kind, "__origin__", None) is dict
         if last:
-            return "is a section, not a value" if is_section or is_mapping else None
-        if not (is_section or is_mapping):
+            return "is a section, not a value" if section or is_mapping else None
+        if not (section or is_mapping):
             return f"is not a params key ('{part}' is a value)"
-        model = kind if is_section else None
+        model = section
     return None

@@ -28,14 +28,14 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import faiss
 import numpy as np
 import pandas as pd
 
 from xbn.config import IndexConfig
-from xbn.config.schema import INDEX_TYPES
+from xbn.config.schema import IndexType
 from xbn.evaluation.knn import as_float32_matrix, knn_search
 from xbn.serving.mapped_refine import MappedRefine, StoreMismatch, open_store
 from xbn.serving.model import ServedModel
@@ -43,7 +43,6 @@ from xbn.utils.io import atomic_path, file_digest, write_json
 
 log = logging.getLogger(__name__)
 
-IndexType = Literal[INDEX_TYPES]
 INDEX_FILE, IDS_FILE, META_FILE = "index.faiss", "ids.parquet", "index.json"
 FORMAT = "xbn-index/1"
 RECALL_K = 10
@@ -98,6 +97,7 @@ def build_faiss(x: np.ndarray, cfg: IndexConfig, kind: IndexType) -> tuple[faiss
         spec = "Flat"
     index = faiss.index_factory(dim, spec, faiss.METRIC_INNER_PRODUCT)
     if kind == "hnsw":
+        assert isinstance(index, faiss.IndexHNSW)  # the factory returns the index as its own class
         index.hnsw.efConstruction = cfg.ef_construction  # must be set before the first add
     # k-means of IVF training is what costs; on a GPU it trains there and comes back to the CPU to be saved.
     on_gpu = on_gpus(index)
@@ -230,17 +230,20 @@ class GroundTruth:
 
     def subset(self, rows: np.ndarray) -> GroundTruth:
         """The queries that are the catalogue rows `rows` (all among `self.rows`)."""
+        assert self.rows is not None  # queries that are catalogue rows
         keep = np.isin(self.rows, rows)
-        exact, scores = (None, None) if self.exact is None else (self.exact[keep], self.scores[keep])
+        exact, scores = (None, None) if self.exact is None or self.scores is None else \
+            (self.exact[keep], self.scores[keep])
         return GroundTruth(self.queries[keep], exact, scores, self.rows[keep], self.k)
 
     def found(self, i: int, got: np.ndarray) -> int:
         """How many of the ids `got` (a top k) are among query i's exact top k, ties with the k-th included."""
+        assert self.exact is not None and self.scores is not None  # recall_on skips a truth without them
         good = self.exact[i][self.scores[i] >= self.scores[i, self.k - 1] - TIE_TOLERANCE]
         return len(set(good.tolist()) & set(got.tolist()))
 
 
-def recall_on(index: faiss.Index, truth: GroundTruth) -> float:
+def recall_on(index: faiss.Index | MappedRefine, truth: GroundTruth) -> float:
     """recall@k of `index` (as it is set now) on `truth`'s queries (a neighbour tied with the k-th counts)."""
     if truth.exact is None:
         return 1.0  # nothing to rank: no way to miss
@@ -255,7 +258,8 @@ def recall_on(index: faiss.Index, truth: GroundTruth) -> float:
 
 
 def tune_k_factor(
-    index: faiss.Index, truth: GroundTruth, ladder: list[int], target: float, params: dict[str, Any]
+    index: faiss.Index | MappedRefine, truth: GroundTruth, ladder: list[int], target: float,
+    params: dict[str, Any]
 ) -> dict[str, Any]:
     """Set `index` (an IndexRefine) to the smallest k_factor of `ladder` whose recall@k on `truth` reaches
     `target`; when none does, to the smallest within 0.005 of the best (more candidates only cost time, and
@@ -284,10 +288,11 @@ class CatalogueIndex:
     """A faiss index, its id map (`path`, `label`, `row`: row i of the index is catalogue item i) and its
     record (`meta`: type, dim, count, model_sha256, recall@10, parameters)."""
 
-    index: faiss.Index
+    index: faiss.Index | MappedRefine
     ids: pd.DataFrame
     meta: dict[str, Any] = field(default_factory=dict)
-    _searcher: faiss.Index | None = field(default=None, repr=False)  # `index` on the GPUs, made on first use
+    # `index` on the GPUs, made on first use
+    _searcher: faiss.Index | MappedRefine | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -346,7 +351,9 @@ class CatalogueIndex:
         if q.shape[1] != self.dim:
             raise IndexMismatch(f"queries have dimension {q.shape[1]}, the index {self.dim}")
         if self._searcher is None:  # on-disk lists stay on disk: a GPU copy would load them all
-            self._searcher = self.index if self.meta.get("ondisk") else on_gpus(self.index)
+            index = self.index  # a MappedRefine is on disk too
+            self._searcher = (index if self.meta.get("ondisk") or isinstance(index, MappedRefine)
+                              else on_gpus(index))
             set_search_params(self._searcher, self.meta.get("params", {}))
         return self._searcher.search(q, min(int(k), self.count))
 
@@ -378,6 +385,7 @@ class CatalogueIndex:
             raise IndexMismatch(f"new embeddings have dimension {x.shape[1]}, the index {self.dim}")
         keep = self.missing(ids["path"]) & ~ids["path"].astype(str).duplicated().to_numpy()
         if keep.any():
+            assert isinstance(self.index, faiss.Index)  # a MappedRefine is on disk: refused above
             first = self.count
             self.index.add(np.ascontiguousarray(x[keep]))
             self._searcher = None  # a GPU copy would miss the new rows
@@ -389,6 +397,7 @@ class CatalogueIndex:
     def save(self, directory: str | Path) -> Path:
         """Write the three files atomically, `index.json` last (it names the other two's bytes)."""
         directory = Path(directory)
+        assert isinstance(self.index, faiss.Index), "an on-disk index is written by xbn.serving.shards"
         with atomic_path(directory / INDEX_FILE) as tmp:
             faiss.write_index(self.index, str(tmp))
         with atomic_path(directory / IDS_FILE) as tmp:
@@ -428,10 +437,11 @@ class CatalogueIndex:
         # An on-disk index (xbn.serving.shards) memory-maps the .ivfdata beside it, wherever the folder now is,
         # and its re-rank store (REFINE_FILE, when it has one).
         flags = faiss.IO_FLAG_ONDISK_SAME_DIR if meta.get("ondisk") else 0
-        index = faiss.read_index(str(directory / INDEX_FILE), flags)
+        base = faiss.read_index(str(directory / INDEX_FILE), flags)
+        index: faiss.Index | MappedRefine = base
         if meta.get("refine_store"):
             try:
-                index = MappedRefine(index, open_store(directory / meta["refine_store"], index.ntotal, index.d))
+                index = MappedRefine(base, open_store(directory / meta["refine_store"], base.ntotal, base.d))
             except StoreMismatch as exc:
                 raise IndexMismatch(str(exc)) from None
         set_search_params(index, meta.get("params", {}))

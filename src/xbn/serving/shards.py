@@ -109,12 +109,12 @@ def build_sharded(
 ) -> CatalogueIndex:
     """An on-disk IVF index folder at `directory` over the embedding files `shards` (outputs of `xbn embed`,
     one per part of the catalogue; row order: the shards' in turn). The shards must come from one model."""
-    shards = [Path(s) for s in shards]
-    if not shards:
+    paths = [Path(s) for s in shards]
+    if not paths:
         raise ValueError("no embedding shards to index")
-    frames = [_id_columns(s) for s in shards]  # the id maps: paths and labels, no embeddings
+    frames = [_id_columns(s) for s in paths]  # the id maps: paths and labels, no embeddings
     counts = [len(f) for f in frames]
-    total, dim = sum(counts), _dim(shards[0])
+    total, dim = sum(counts), _dim(paths[0])
     directory = Path(directory)
     work = directory.with_name(f".{directory.name}.shards")
     shutil.rmtree(work, ignore_errors=True)
@@ -128,11 +128,11 @@ def build_sharded(
         clock = time.perf_counter()
         log.info("index: %s done in %.1f s", name, seconds[name])
 
-    trained, params = train_ivf(shards, cfg, dim, total)
+    trained, params = train_ivf(paths, cfg, dim, total)
     faiss.write_index(trained, str(work / "trained.index"))
     phase("train")
     parts, first = [], 0
-    for i, (shard, n) in enumerate(zip(shards, counts)):
+    for i, (shard, n) in enumerate(zip(paths, counts)):
         parts.append(str(work / f"shard-{i:04d}.index"))
         fill_shard(work / "trained.index", shard, first, parts[-1])
         first += n
@@ -149,7 +149,7 @@ def build_sharded(
     files = [IVFDATA_FILE, INDEX_FILE]
     refined = cfg.type == "ivf_pq" and cfg.refine != "none"
     if refined:  # the exact vectors, in row order, one shard in memory at a time
-        write_store((unit_rows(read_embeddings(s)[1], "embeddings") for s in shards), work / REFINE_FILE,
+        write_store((unit_rows(read_embeddings(s)[1], "embeddings") for s in paths), work / REFINE_FILE,
                     total, dim, cfg.refine)
         files.append(REFINE_FILE)
         params.update(refine=cfg.refine, k_factor=1)
@@ -164,14 +164,13 @@ def build_sharded(
     shutil.rmtree(work, ignore_errors=True)
     phase("ids")
 
-    index = faiss.read_index(str(directory / INDEX_FILE), faiss.IO_FLAG_ONDISK_SAME_DIR)
-    if refined:
-        index = MappedRefine(index, open_store(directory / REFINE_FILE, total, dim))
+    ondisk = faiss.read_index(str(directory / INDEX_FILE), faiss.IO_FLAG_ONDISK_SAME_DIR)
+    index = MappedRefine(ondisk, open_store(directory / REFINE_FILE, total, dim)) if refined else ondisk
     set_search_params(index, params)
     sample = recall_queries or cfg.recall_queries
     check = sample_rows(total, sample, cfg.seed)
     tune = sample_rows(total, sample, cfg.seed + 1, avoid=check) if "k_factor" in params else check[:0]
-    truth = streamed_truth(shards, np.union1d(check, tune))  # one pass over the shards for both query sets
+    truth = streamed_truth(paths, np.union1d(check, tune))  # one pass over the shards for both query sets
     phase("exact_truth")
     tuning = None
     if len(tune):  # as CatalogueIndex.build: tuned on other rows than the recall is measured on
@@ -179,7 +178,7 @@ def build_sharded(
     recall = recall_on(index, truth.subset(check))
     phase("tune_and_recall")
     meta = {
-        "format": FORMAT, "type": cfg.type, "requested_type": cfg.type, "ondisk": True, "shards": len(shards),
+        "format": FORMAT, "type": cfg.type, "requested_type": cfg.type, "ondisk": True, "shards": len(paths),
         "dim": dim, "count": total, "model_sha256": model_sha256, f"recall@{RECALL_K}": recall,
         "recall_measured_on": total, "params": params,
         **({"k_factor_tuning": tuning} if tuning else {}),
@@ -189,7 +188,7 @@ def build_sharded(
     }
     write_json(directory / META_FILE, meta)  # last: it names the bytes of the others
     log.info("index: on-disk %s over %d x %d from %d shard(s), recall@%d %.4f -> %s", cfg.type, total, dim,
-             len(shards), RECALL_K, recall, directory)
+             len(paths), RECALL_K, recall, directory)
     return CatalogueIndex(index, ids, meta)
 
 

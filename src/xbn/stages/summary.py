@@ -56,7 +56,7 @@ def summary_rows(params: Params) -> list[tuple[str, str]]:
                      if snapshot.md5 else "not versioned (data.version: none): the images cannot be restored"))
 
     t = params.train
-    memory = params.memory.method
+    memory: str = params.memory.method
     if train:
         memory += f", {train.get('memory_rows', 0)} rows" if memory != "none" else ""
     memory += f"; batch {t.batch_size} ({t.batch_size // t.samples_per_class} classes x {t.samples_per_class})"

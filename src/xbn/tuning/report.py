@@ -6,10 +6,11 @@ from __future__ import annotations
 import logging
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import optuna
 import yaml
 from optuna.trial import FrozenTrial, TrialState
@@ -19,7 +20,16 @@ from xbn.tuning.space import BATCH_KEY, LAMBDA, Dimension, SearchSpace, yaml_sca
 from xbn.tuning.study import BASELINE_ATTR, ERROR_ATTR, OBJECTIVE, WORKER_ATTR, StudySession
 from xbn.utils.io import atomic_path, write_text
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
 log = logging.getLogger(__name__)
+
+
+def _value(t: FrozenTrial) -> float:
+    """The objective of a complete trial (the only trials whose value is read here)."""
+    assert t.value is not None, f"trial {t.number} ({t.state.name}) has no value"
+    return t.value
 
 
 def summarize(session: StudySession, space: SearchSpace, base: Params) -> dict[str, Any]:
@@ -27,7 +37,7 @@ def summarize(session: StudySession, space: SearchSpace, base: Params) -> dict[s
     trials = study.get_trials(deepcopy=False)
     counts = {state.name.lower(): sum(t.state == state for t in trials) for state in TrialState}
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
-    best = max(complete, key=lambda t: t.value) if complete else None
+    best = max(complete, key=_value) if complete else None
     baseline = next((t for t in trials if t.user_attrs.get(BASELINE_ATTR)), None)
     return {
         "study": study.study_name,
@@ -56,20 +66,21 @@ def _method(t: FrozenTrial, base: Params) -> str:
 def batch_verdict(complete: list[FrozenTrial], base: Params, batch: Dimension) -> str:
     """One sentence for a study that samples train.batch_size (tune.max_batch_size): does a memory at a smaller
     batch beat no memory at the largest batch in the space (the most a device without a memory can do)?"""
-    largest = max(batch.choices) if batch.type == "categorical" else batch.high
+    largest = (max(c for c in batch.options if isinstance(c, (int, float))) if batch.type == "categorical"
+               else batch.bounds[1])  # the batch sizes are numbers: the space's check loads each as params
 
     def size(t: FrozenTrial) -> int:
         return t.params.get(BATCH_KEY, base.train.batch_size)
 
     without = max((t for t in complete if _method(t, base) == "none" and size(t) == largest),
-                  key=lambda t: t.value, default=None)
+                  key=_value, default=None)
     smaller = max((t for t in complete if _method(t, base) != "none" and size(t) < largest),
-                  key=lambda t: t.value, default=None)
+                  key=_value, default=None)
     if without is None or smaller is None:
         missing = (f"without a memory at batch {largest:g}" if without is None
                    else f"with a memory at a batch below {largest:g}")
         return f"No complete trial {missing}: run more trials to compare a memory at a small batch with none."
-    a, b = smaller.value, without.value
+    a, b = _value(smaller), _value(without)
     verdict = "beats" if a > b else "does not beat" if a < b else "ties"
     return (f"A memory at batch {size(smaller)} ({_method(smaller, base)}, #{smaller.number}: {OBJECTIVE} {a:.4f}) "
             f"{verdict} no memory at batch {largest:g} (#{without.number}: {b:.4f}; {a - b:+.4f}, one trial each, "
@@ -79,13 +90,13 @@ def batch_verdict(complete: list[FrozenTrial], base: Params, batch: Dimension) -
 def memory_verdict(complete: list[FrozenTrial], base: Params) -> str:
     """One sentence: does a memory help on this data? The best complete trial with a memory against the best
     without one (`memory.method` is in the default space, with `none` among its choices)."""
-    without = max((t for t in complete if _method(t, base) == "none"), key=lambda t: t.value, default=None)
-    with_memory = max((t for t in complete if _method(t, base) != "none"), key=lambda t: t.value, default=None)
+    without = max((t for t in complete if _method(t, base) == "none"), key=_value, default=None)
+    with_memory = max((t for t in complete if _method(t, base) != "none"), key=_value, default=None)
     if without is None or with_memory is None:
         missing = "without a memory (memory.method=none)" if without is None else "with a memory"
         return (f"No complete trial {missing} to compare with: put `none` and a memory method in "
                 "tune.space's memory.method to ask whether a memory helps on this data.")
-    a, b = with_memory.value, without.value
+    a, b = _value(with_memory), _value(without)
     verdict = "helps" if a > b else "does not help" if a < b else "makes no difference"
     return (f"A memory {verdict} on this data: the best memory trial (#{with_memory.number}, "
             f"{_method(with_memory, base)}) reached validation {OBJECTIVE} {a:.4f}, the best trial without one "
@@ -99,12 +110,13 @@ def _trial_summary(trial: FrozenTrial, space: SearchSpace, base: Params) -> dict
 
 def _pruned_at(trial: FrozenTrial) -> dict[str, Any]:
     step = trial.last_step
-    return {"trial": trial.number, "epoch": step, "value": trial.intermediate_values.get(step)}
+    return {"trial": trial.number, "epoch": step,
+            "value": None if step is None else trial.intermediate_values.get(step)}
 
 
 def importances(study: optuna.Study) -> dict[str, float]:
     """fANOVA importances of the parameters for the objective over complete trials ({} with too few)."""
-    values = [t.value for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
+    values = [_value(t) for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
     if len(values) < 2 or max(values) - min(values) < 1e-12:  # nothing to explain yet
         return {}
     try:
@@ -120,12 +132,15 @@ def write_plots(study: optuna.Study, out_dir: str | Path, space: SearchSpace) ->
     """Optimization history, parameter importances, and memory.kalman.r (or r/q) vs memory.size; a plot that
     the study cannot draw yet (too few complete trials, a parameter not in the space) is skipped."""
     from matplotlib import pyplot as plt
+    from matplotlib.figure import Figure
     from optuna.visualization import matplotlib as vis
 
     out_dir = Path(out_dir)
     complete = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
     r = LAMBDA if space.lambda_mode else "memory.kalman.r"
-    plots = {"optimization_history": lambda: vis.plot_optimization_history(study)}
+    # A drawing is one Axes, or a grid of them (param_importances with several objectives).
+    plots: dict[str, Callable[[], Axes | np.ndarray]] = {
+        "optimization_history": lambda: vis.plot_optimization_history(study)}
     if importances(study) and len(space.dims) > 1:
         plots["param_importances"] = lambda: vis.plot_param_importances(
             study, evaluator=optuna.importance.FanovaImportanceEvaluator(seed=0))
@@ -142,7 +157,8 @@ def write_plots(study: optuna.Study, out_dir: str | Path, space: SearchSpace) ->
             except (ValueError, RuntimeError) as exc:
                 log.warning("plot %s skipped: %s", name, exc)
                 continue
-        figure = getattr(axes, "figure", None) or axes.flat[0].figure
+        figure = axes.flat[0].figure if isinstance(axes, np.ndarray) else axes.figure
+        assert isinstance(figure, Figure)  # optuna draws on a figure of its own, not a subfigure
         figure.set_size_inches(8, 5)
         figure.tight_layout()
         path = out_dir / f"{name}.png"

@@ -63,7 +63,8 @@ class SearchSpace:
                                         choices=batch_ladder(cfg.max_batch_size, samples_per_class))
         if cfg.lambda_mode and LAMBDA not in dims and "memory.kalman.r" in dims:
             r, q = dims.pop("memory.kalman.r"), dims.pop("memory.kalman.q")
-            ratio = Dimension(type="float", low=r.low / q.high, high=r.high / q.low, log=r.log or q.log)
+            (r_low, r_high), (q_low, q_high) = r.bounds, q.bounds
+            ratio = Dimension(type="float", low=r_low / q_high, high=r_high / q_low, log=r.log or q.log)
             dims = {LAMBDA: ratio, **dims}
         return cls(dims, cfg.lambda_mode)
 
@@ -72,12 +73,12 @@ class SearchSpace:
         values: dict[str, Any] = {}
         for name, d in self.dims.items():
             if d.type == "categorical":
-                values[name] = trial.suggest_categorical(name, d.choices)
+                values[name] = trial.suggest_categorical(name, d.options)
             elif d.type == "int":
-                values[name] = trial.suggest_int(name, int(d.low), int(d.high), log=d.log,
-                                                 step=int(d.step or 1))
+                low, high = d.bounds
+                values[name] = trial.suggest_int(name, int(low), int(high), log=d.log, step=int(d.step or 1))
             else:
-                values[name] = trial.suggest_float(name, d.low, d.high, log=d.log, step=d.step)
+                values[name] = trial.suggest_float(name, *d.bounds, log=d.log, step=d.step)
         return values
 
     def to_params(self, sampled: Mapping[str, Any], base: Params) -> dict[str, Any]:
@@ -95,8 +96,9 @@ class SearchSpace:
         values = {}
         for name, d in self.dims.items():
             value = base.memory.kalman.r / base.memory.kalman.q if name == LAMBDA else flat.get(name)
-            inside = value in d.choices if d.type == "categorical" else (
-                isinstance(value, (int, float)) and not isinstance(value, bool) and d.low <= value <= d.high)
+            inside = value in d.options if d.type == "categorical" else (
+                isinstance(value, (int, float)) and not isinstance(value, bool)
+                and d.bounds[0] <= value <= d.bounds[1])
             if inside:
                 values[name] = value
         return values
@@ -105,7 +107,7 @@ class SearchSpace:
         """Every bound and choice must give valid params with the base ones: a bad one is refused by its key
         before any trial runs (a trial would otherwise fail on it hours later)."""
         for name, d in self.dims.items():
-            for value in d.choices if d.type == "categorical" else (d.low, d.high):
+            for value in d.options if d.type == "categorical" else d.bounds:
                 try:
                     load_params(params_file, as_overrides(self.to_params({name: value}, base)))
                 except ConfigError as exc:

@@ -32,6 +32,7 @@ import optuna
 from filelock import FileLock
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend
+from optuna.storages.journal._file import BaseJournalFileLock  # the type of lock_obj, not re-exported
 
 from xbn.config import ConfigError, TuneConfig
 from xbn.utils.locks import advisory_lock, file_lock
@@ -96,10 +97,12 @@ def _with_installed_driver(spec: StorageSpec) -> StorageSpec:
 
 
 def open_storage(spec: StorageSpec, cfg: TuneConfig) -> BaseStorage:
-    if spec.path is not None:
-        spec.path.parent.mkdir(parents=True, exist_ok=True)
+    path = spec.path
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
     if spec.kind == "journal":
-        return journal_storage(spec.path)
+        assert path is not None  # a journal is a file
+        return journal_storage(path)
     with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna since 2.9, and what we need
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return RDBStorage(spec.url, heartbeat_interval=cfg.heartbeat_interval, grace_period=cfg.grace_period,
@@ -141,7 +144,7 @@ class _Reusable:
         return self._held.__exit__(*exc)
 
 
-class _JournalLock:
+class _JournalLock(BaseJournalFileLock):
     """Optuna's journal lock (its `lock_obj`: acquire/release, the interface of its lock classes) as an flock:
     the kernel drops it when its holder dies, so a killed worker never blocks the others. Optuna's own locks
     (symlink, open) are lock *files* that outlive a SIGKILL. filelock gives each thread its own descriptor, so

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Self
 
 import optuna
-from optuna.storages import BaseStorage
+from optuna.storages import BaseStorage, RDBStorage
 from optuna.trial import TrialState
 
 from xbn.config import ConfigError, Params, flatten, load_params
@@ -228,9 +228,11 @@ class _Heartbeat:
     block ends. A journal has no heartbeats: the coordinator watches its worker processes instead."""
 
     def __init__(self, session: StudySession, number: int):
-        self.storage, self._stop = session.storage, threading.Event()
+        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if session.spec.heartbeats:
+            assert isinstance(session.storage, RDBStorage)  # heartbeats: a database storage (open_storage)
+            self.storage = session.storage
             study_id = self.storage.get_study_id_from_name(session.name)
             self.trial_id = self.storage.get_trial_id_from_study_id_trial_number(study_id, number)
             self.storage.record_heartbeat(self.trial_id)
@@ -297,7 +299,7 @@ def fail_lost_trials(session: StudySession) -> None:
         return
     for trial in session.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         worker = trial.user_attrs.get(WORKER_ATTR)
-        if _alive_here(worker) is False:
+        if worker is not None and _alive_here(worker) is False:
             fail_trials_of(session, worker, "process not running")
 
 
