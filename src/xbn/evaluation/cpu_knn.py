@@ -67,14 +67,14 @@ def search(q: np.ndarray, r: np.ndarray, k: int, *, exclude: np.ndarray | None, 
             for level in dict.fromkeys([dtype, torch.float32]):
                 w = min(k + extra_candidates(k, level), available)
                 if symmetric and len(todo) == nq:
-                    values, cand = _self_pass(q, w, level, block)
+                    values, first = _self_pass(q, w, level, block)
                 else:
                     sub = None if exclude is None else exclude[todo]
-                    values, cand = _cross_pass(q[todo], r, w, level, block, sub)
+                    values, first = _cross_pass(q[todo], r, w, level, block, sub)
                 # the w-th first-pass value caps every non-candidate's first-pass value
                 cap = values[:, -1].double().numpy()
                 del values  # [N, w]: freed before the re-scoring allocates its own
-                scores, cand = rescore(q[todo], r, cand, keep=k)
+                scores, cand = rescore(q[todo], r, first, keep=k)
                 rel, abs_ = _slack(level, q_norms[todo], r_max, q.shape[1])
                 limit = cap + rel * np.abs(cap) + abs_
                 ok = np.full(len(todo), w == available) | (scores[:, k - 1].astype(np.float64) > limit)
@@ -288,10 +288,12 @@ def _update(values, idx, s, i0: int, j0: int, columns: bool) -> None:
     queries, found, new = [rows[at, t] + i0], [c[at] + j0], [flagged[at, t]]
     if columns:
         at, t = torch.nonzero(flagged > col_floor[c, None], as_tuple=True)
-        queries.append(c[at] + j0), found.append(rows[at, t] + i0), new.append(flagged[at, t])
-    queries, found, new = torch.cat(queries), torch.cat(found), torch.cat(new)
-    order = torch.argsort(queries)
-    _merge(values, idx, queries[order], found[order], new[order])
+        queries.append(c[at] + j0)
+        found.append(rows[at, t] + i0)
+        new.append(flagged[at, t])
+    q_all, found_all, new_all = torch.cat(queries), torch.cat(found), torch.cat(new)
+    order = torch.argsort(q_all)
+    _merge(values, idx, q_all[order], found_all[order], new_all[order])
 
 
 def _merge(values, idx, rows, columns, new) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -120,8 +120,9 @@ def evaluate_split(model: torch.nn.Module, manifest: pd.DataFrame, root: str | P
     """Retrieval metrics of `model` on a split of the manifest (see `retrieval_protocol`)."""
     e = embed_protocol(model, manifest, root, split, image_size=image_size, mean=mean, std=std,
                        batch_size=batch_size, num_workers=num_workers, device=device, mode=mode)
-    metrics = retrieval_metrics(e.query_emb, e.query_labels, e.reference_emb, e.reference_labels,
-                                ks=tuple(ks), chunk_size=query_chunk, device=str(device), nmi=nmi)
+    metrics: dict[str, Any] = retrieval_metrics(  # the skipped images' names join the numbers
+        e.query_emb, e.query_labels, e.reference_emb, e.reference_labels, ks=tuple(ks),
+        chunk_size=query_chunk, device=str(device), nmi=nmi)
     # Counted (the `num_` prefix keeps it out of the quality scores) and named, for eval.json.
     metrics["num_skipped_images"] = len(e.skipped)
     metrics["skipped_images"] = e.skipped

@@ -32,7 +32,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -160,7 +160,9 @@ def decide(rates: dict[str, float], candidates: tuple, bf16_cosine: float | None
     fp32, bf16 = best_format(False), best_format(True)
     accurate = bf16_cosine is None or bf16_cosine >= PARITY_COSINE
     use_bf16 = fp32 is None or (bf16 is not None and accurate and bf16[1] > PRECISION_MARGIN * fp32[1])
-    fmt = (bf16 if use_bf16 else fp32)[0]
+    chosen = bf16 if use_bf16 else fp32
+    assert chosen is not None  # candidates are never empty
+    fmt = chosen[0]
     return InferenceMode(fmt, use_bf16, "auto: probe", rates, bf16_cosine)
 
 
@@ -247,7 +249,10 @@ def run(model: nn.Module, images: torch.Tensor, mode: InferenceMode, device: tor
     return out, mode
 
 
-def fold_batch_norm(model: nn.Module, example: torch.Tensor) -> nn.Module:
+M = TypeVar("M", bound=nn.Module)
+
+
+def fold_batch_norm(model: M, example: torch.Tensor) -> M:
     """A copy of `model` in eval mode in which every BatchNorm2d that reads a Conv2d's output is folded into that
     convolution's weight and bias (`torch.nn.utils.fusion.fuse_conv_bn_weights`), keeping the activation of
     timm's BatchNormAct2d. Which convolution feeds which BatchNorm is read from one forward pass on `example`
@@ -258,8 +263,8 @@ def fold_batch_norm(model: nn.Module, example: torch.Tensor) -> nn.Module:
     from torch.nn.utils.fusion import fuse_conv_bn_weights
 
     folded = copy.deepcopy(model).eval()
-    returned: dict[int, tuple[nn.Module, torch.Tensor]] = {}  # the last convolution's output, by identity
-    pairs: list[tuple[nn.Module, nn.Module]] = []
+    returned: dict[int, tuple[nn.Conv2d, torch.Tensor]] = {}  # the last convolution's output, by identity
+    pairs: list[tuple[nn.Conv2d, nn.BatchNorm2d]] = []
 
     def after_conv(conv, _, out):
         returned.clear()
@@ -267,7 +272,8 @@ def fold_batch_norm(model: nn.Module, example: torch.Tensor) -> nn.Module:
 
     def after_norm(norm, inputs, _):
         conv, out = returned.pop(id(inputs[0]), (None, None))
-        if out is inputs[0] and type(norm) in (nn.BatchNorm2d, BatchNormAct2d) and norm.track_running_stats:
+        if conv is not None and out is inputs[0] and type(norm) in (nn.BatchNorm2d, BatchNormAct2d) \
+                and norm.track_running_stats:
             pairs.append((conv, norm))
 
     hooks = [m.register_forward_hook(after_conv if isinstance(m, nn.Conv2d) else after_norm)
@@ -280,6 +286,7 @@ def fold_batch_norm(model: nn.Module, example: torch.Tensor) -> nn.Module:
         return model
     names = {id(m): name for name, m in folded.named_modules()}
     for conv, norm in pairs:
+        assert norm.running_mean is not None and norm.running_var is not None  # track_running_stats
         conv.weight, conv.bias = fuse_conv_bn_weights(conv.weight, conv.bias, norm.running_mean, norm.running_var,
                                                       norm.eps, norm.weight, norm.bias)
         after = [m for m in (getattr(norm, "drop", None), getattr(norm, "act", None)) if m is not None]

@@ -123,10 +123,10 @@ def _search_fn(references: np.ndarray, k: int, device: Any):
             if hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0 and k <= _FAISS_GPU_MAX_K:
                 resources = faiss.StandardGpuResources()
                 flat = faiss.IndexFlatIP(references.shape[1])
-                index = faiss.index_cpu_to_gpu(resources, dev.index or 0, flat)
-                index.add(references)
+                on_gpu = faiss.index_cpu_to_gpu(resources, dev.index or 0, flat)
+                on_gpu.add(references)
                 # The GPU index points into `resources`: the closure keeps them alive together.
-                return lambda chunk, _resources=resources: index.search(chunk, k)
+                return lambda chunk, _resources=resources: on_gpu.search(chunk, k)
             return _torch_search_fn(references, k, dev)
         if dev.type != "cpu":  # e.g. mps: no faiss there
             return _torch_search_fn(references, k, dev)

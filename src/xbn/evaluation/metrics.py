@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import faiss
 import numpy as np
@@ -34,6 +34,23 @@ class QueryScores:
 
     evaluated: np.ndarray
     scores: dict[str, np.ndarray]
+
+
+# per_query picks the return type: the metrics, or the metrics and the per-query values.
+@overload
+def retrieval_metrics(
+    query_emb: Any, query_labels: Any, reference_emb: Any = ..., reference_labels: Any = ...,
+    ks: Sequence[int] = ..., chunk_size: int = ..., device: Any = ..., nmi: bool = ..., seed: int = ...,
+    exclude: Any = ..., per_query: Literal[False] = ...,
+) -> dict[str, float]: ...
+
+
+@overload
+def retrieval_metrics(
+    query_emb: Any, query_labels: Any, reference_emb: Any = ..., reference_labels: Any = ...,
+    ks: Sequence[int] = ..., chunk_size: int = ..., device: Any = ..., nmi: bool = ..., seed: int = ...,
+    exclude: Any = ..., *, per_query: Literal[True],
+) -> tuple[dict[str, float], QueryScores]: ...
 
 
 def retrieval_metrics(

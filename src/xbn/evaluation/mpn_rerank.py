@@ -33,7 +33,7 @@ from xbn.models.mpn import MessagePassingNetwork
 
 def _reciprocal_sets(own: np.ndarray) -> list[np.ndarray]:
     """R(j, k) of every reference j, from `own` [n, k+1]: row j is j followed by its k nearest others."""
-    sets = []
+    sets: list[np.ndarray] = []
     for start in range(0, len(own), 4096):  # [chunk, k+1, k+1] at a time
         rows = own[start:start + 4096]
         mutual = (own[rows] == np.arange(start, start + len(rows))[:, None, None]).any(axis=2)  # j in N(a, k)

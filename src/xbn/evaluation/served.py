@@ -39,7 +39,7 @@ from xbn.evaluation.inference import (
     run,
     settled,
 )
-from xbn.models import load_embedder
+from xbn.models import Embedder, load_embedder
 from xbn.utils.io import file_digest
 
 log = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ def load_served_model(path: str | Path, image_size: int, device: str | torch.dev
 
 
 def served(
-    model: torch.nn.Module,
+    model: Embedder,
     data_config: dict[str, Any],
     image_size: int,
     sha256: str = "",

@@ -102,10 +102,12 @@ def target_version(params: Params, version: int | None = None):
     return info
 
 
-def check_source(params: Params) -> None:
+def check_source(params: Params) -> str:
+    """catalogue.source, which must be set."""
     if params.catalogue.source is None:
         raise ConfigError("catalogue.source is not set: name a folder, a CSV or a parquet of image paths "
                           "(local or s3://...)")
+    return params.catalogue.source
 
 
 def plan(params: Params, version: int | None = None) -> CataloguePlan:
@@ -113,12 +115,12 @@ def plan(params: Params, version: int | None = None) -> CataloguePlan:
     from xbn.tracking.registry import CATALOGUE_TAG, INDEX_SHA_TAG, SHA_TAG
 
     cfg = params.catalogue
-    check_source(params)
+    source = check_source(params)
     info = target_version(params, version)
     sha = info.tags.get(SHA_TAG)
     if not sha:
         raise IntegrityError(f"{info.name} v{info.version} records no {SHA_TAG}: its checkpoint cannot be verified")
-    frame, root = read_source(cfg.source, root=cfg.root)
+    frame, root = read_source(source, root=cfg.root)
     root = root if is_remote(root) else Path(root).absolute()  # workers start elsewhere
     if frame.empty:
         raise ConfigError(f"catalogue.source {cfg.source}: no images in it")

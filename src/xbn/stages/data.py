@@ -48,9 +48,9 @@ def restore_data(params: Params, destination: str | Path, version: int | None = 
         record = DataSnapshot(**found[0])
     except TypeError as exc:
         raise DatasetError(f"{what}'s data record (data/data.json) is not one xbn writes: {exc}") from None
-    if record.md5 is None:
+    if (dvc := record.dvc_record()) is None:  # no md5
         raise RegistryError(f"{what} trained on unversioned data (data.version: none): nothing to restore")
-    count = restore(record.dvc_record(), destination)
+    count = restore(dvc, destination)
     log.info("restored %d files of %s (DVC md5 %s) into %s", count, what, record.md5, destination)
     return {"restored": str(destination), "files": count, "md5": record.md5, "from": what}
 

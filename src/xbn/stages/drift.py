@@ -80,7 +80,8 @@ def _samples(before: pd.DataFrame, after: pd.DataFrame, size: int, seed: int) ->
     rng = np.random.default_rng(seed)
 
     def pick(frame: pd.DataFrame) -> pd.DataFrame:
-        rows = rng.choice(len(frame), size=min(size, len(frame)), replace=False) if len(frame) else []
+        rows: np.ndarray | list[int] = (rng.choice(len(frame), size=min(size, len(frame)), replace=False)
+                                        if len(frame) else [])
         return frame.iloc[np.sort(rows)][["path", "label"]]
 
     return pick(merged[same]), pick(merged[~same])
@@ -156,7 +157,7 @@ def mmd_null(x: np.ndarray, y: np.ndarray, permutations: int, seed: int) -> tupl
 
 def class_shift(x: np.ndarray, x_labels: np.ndarray, y: np.ndarray, y_labels: np.ndarray) -> list[dict]:
     """For each class with images on both sides: 1 - cosine similarity of the two centroids, largest first."""
-    shifts = []
+    shifts: list[dict[str, Any]] = []
     for label in sorted(set(x_labels) & set(y_labels)):
         a, b = x[x_labels == label].mean(0), y[y_labels == label].mean(0)
         cosine = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-12))

@@ -62,8 +62,8 @@ def evaluate(params: Params) -> dict:
         metrics["refined"] = refined
     if params.eval.baseline:
         seed_everything(params.train.seed)  # the same fresh head the training run started from
-        untrained, _ = build_embedder(params.model)
-        untrained = mode.prepare(untrained.to(device))
+        fresh, _ = build_embedder(params.model)
+        untrained = mode.prepare(fresh.to(device))
         metrics["untrained"] = {k: v for k, v in score(untrained).items() if "@" in k or k == "nmi"}
     write_json(params.eval.output, metrics)
     write_csv(Path(params.eval.output).with_name("recall_at_k.csv"),

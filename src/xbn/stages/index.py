@@ -102,7 +102,9 @@ def champion_index_problem(params: Params) -> dict[str, Any] | None:
 
     registry = Registry(params)
     champion = registry.by_alias(CHAMPION)
-    problem = registry.index_problem(champion) if champion is not None else None
+    if champion is None:
+        return None
+    problem = registry.index_problem(champion)
     return None if problem is None else {"version": champion.version, "problem": problem}
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from typing import Any, cast
 
 from xbn.config import Params
 
@@ -27,7 +28,8 @@ def notification_urls(params: Params) -> list[str]:
             try:
                 from prefect.blocks.system import Secret
 
-                value = str(Secret.load(name).get())
+                # load() is typed "the block or, in async code, a coroutine": this is sync code
+                value = str(cast("Secret[Any]", Secret.load(name)).get())
             except Exception as exc:  # noqa: BLE001 - a missing block, a server that is down: never fatal here
                 log.warning("notify: Prefect Secret block %r could not be read (%s): not notified through it",
                             name, type(exc).__name__)

@@ -35,6 +35,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -48,6 +49,9 @@ from xbn.evaluation.metrics import retrieval_metrics
 from xbn.models.refiner import ContextRefiner, load_refiner, save_refiner
 from xbn.utils.io import file_digest, write_json
 from xbn.utils.runtime import resolve_device, seed_everything
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +89,10 @@ def refine(params: Params) -> dict:
 
     seed_everything(cfg.seed)  # the augmented views are drawn reproducibly
     views = [embed_split("train", training=True) for _ in range(cfg.views)] or [embed_split("train")]
-    if views[0] is None:
+    train = [v for v in views if v is not None]  # the same split each time: all views, or none
+    if not train:
         raise ValueError(f"{params.data.manifest} has no 'train' rows")
-    summary = fit_refiner(params, views, embed_split("val"), device)
+    summary = fit_refiner(params, train, embed_split("val"), device)
     summary["embedder_sha256"] = file_digest(model_path)
     # The test protocol, plain and refined with the selected refiner: reported, never selected on.
     test = embed_protocol(model, manifest, params.data.root, params.eval.split, image_size=params.data.image_size,
@@ -111,6 +116,10 @@ def refine(params: Params) -> dict:
 TrainSet = tuple[torch.Tensor, np.ndarray]
 
 
+def _one_view(views: TrainSet | Sequence[TrainSet]) -> TypeIs[TrainSet]:
+    return isinstance(views[0], (torch.Tensor, np.ndarray))
+
+
 def fit_refiner(params: Params, train_views: TrainSet | Sequence[TrainSet], val_set: TrainSet | None,
                 device: torch.device | str = "cpu") -> dict:
     """Train a refiner on one or more views (embeddings, labels) of the train split, select it on val; returns
@@ -120,7 +129,7 @@ def fit_refiner(params: Params, train_views: TrainSet | Sequence[TrainSet], val_
     cfg = params.refine
     seed_everything(cfg.seed)
     device = torch.device(device)
-    if isinstance(train_views[0], (torch.Tensor, np.ndarray)):  # a single view
+    if _one_view(train_views):
         train_views = [train_views]
     train_emb, train_labels, train_ctx = pooled_contexts(train_views, cfg.k, device)
     train_plain = float(np.mean([retrieval_metrics(e, y, ks=(1,), nmi=False)["recall@1"] for e, y in train_views]))
@@ -154,7 +163,7 @@ def fit_refiner(params: Params, train_views: TrainSet | Sequence[TrainSet], val_
             losses.append(loss.item())
         score = val_recall()
         history.append({"epoch": epoch, "loss": float(np.mean(losses)), "val_recall@1": score})
-        if score is None or score > best_score:  # no val split: the last epoch is kept
+        if score is None or best_score is None or score > best_score:  # no val split: the last epoch is kept
             best_score, best_epoch, best_state = score, epoch, copy.deepcopy(refiner.state_dict())
     refiner.load_state_dict(best_state)
     refiner.eval()

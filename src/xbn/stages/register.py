@@ -263,6 +263,7 @@ def _complete(params: Params, registry: Registry, info: ModelVersionInfo, traine
     elif (challenger := registry.by_alias(CHALLENGER)) is not None and challenger.version == info.version:
         registry.remove_alias(CHALLENGER)  # stopped between the champion's move and this
     if run is None:
+        assert info.run_id is not None  # registered by xbn: from a run
         recorded = registry.client.get_run(info.run_id).info
         run = PipelineRun(info.run_id, recorded.experiment_id, tracking_uri(params), recorded.artifact_uri,
                           resumed=True)
@@ -298,8 +299,10 @@ def rollback(params: Params, reason: str, user: str | None = None) -> dict:
     registry = _registry(params)
     with registry.lock():
         champion = registry.by_alias(CHAMPION)
-        reverted = rollback_target(read_history(registry), champion and champion.version, registry.name)
+        reverted = rollback_target(read_history(registry), champion.version if champion else None,
+                                   registry.name)
         previous, who = reverted.from_version, _user(user)
+        assert champion is not None and previous is not None  # else rollback_target raised
         _require_index(params, registry, registry.get(previous))
         append_history(registry, by=who, action="rollback", from_version=champion.version, to_version=previous,
                        reason=reason, undoes=reverted.seq)
@@ -341,8 +344,8 @@ def data_changes(registry: Registry, before: ModelVersionInfo | None,
     with tempfile.TemporaryDirectory() as tmp:
         old = registry.data_snapshot(before.run_id, Path(tmp) / "before")
         new = registry.data_snapshot(after.run_id, Path(tmp) / "after")
-    missing = [f"v{v.version}" for v, found in ((before, old), (after, new)) if found is None]
-    if missing:
+    if old is None or new is None:
+        missing = [f"v{v.version}" for v, found in ((before, old), (after, new)) if found is None]
         return f"data v{before.version} -> v{after.version}: no data snapshot recorded for {', '.join(missing)}"
     diff = diff_files(old[1], new[1])
     same = "same data" if old[0].get("md5") == new[0].get("md5") and old[0].get("manifest_md5") == \
@@ -363,6 +366,7 @@ def review(params: Params) -> str:
     if challenger is None and champion is not None:
         try:  # the champion a rollback would restore
             previous = rollback_target(history, champion.version, registry.name).from_version
+            assert previous is not None  # else rollback_target raised
             challenger, other_title = registry.get(previous), "previous champion"
         except RegistryError:
             pass
