@@ -56,7 +56,7 @@ class ImageDataset(Dataset):
         if all(c in manifest.columns for c in BOX_COLUMNS):
             for i, box in enumerate(manifest[list(BOX_COLUMNS)].itertuples(index=False)):
                 if not any(pd.isna(v) for v in box):
-                    self.boxes[i] = tuple(int(v) for v in box)
+                    self.boxes[i] = (int(box[0]), int(box[1]), int(box[2]), int(box[3]))
         self.transform = transform or to_tensor
 
     def __len__(self) -> int:

@@ -201,7 +201,7 @@ def render_glyph(glyph: Glyph, image_size: int, rng: np.random.Generator) -> Ima
 
     # Draw on a canvas just large enough, with the em-box centre (anchor "mm") at `origin`.
     left, top, right, bottom = font.getbbox(glyph.keys[k], anchor="mm", stroke_width=stroke)
-    canvas = Image.new("L", (right - left + 2, bottom - top + 2))
+    canvas = Image.new("L", (int(right - left) + 2, int(bottom - top) + 2))  # whole pixels (typed float)
     origin = np.array([1 - left, 1 - top], dtype=np.float64)
     ImageDraw.Draw(canvas).text(tuple(origin), glyph.keys[k], font=font, fill=255, anchor="mm",
                                 stroke_width=stroke, stroke_fill=255)

@@ -77,11 +77,12 @@ def open_image(
     except FileNotFoundError:
         raise UnreadableImage(f"cannot read {name}: no such file") from None
     except Image.DecompressionBombError:
+        assert Image.MAX_IMAGE_PIXELS is not None  # PIL raises it only under its limit
         raise UnreadableImage(_too_many(name, f"more than {2 * Image.MAX_IMAGE_PIXELS}", max_pixels),
                               "too_large") from None
     except UnidentifiedImageError:
         found = _identify(source) if formats is not None else None
-        if found is not None:
+        if found is not None and formats is not None:
             raise UnreadableImage(f"{found} images are not accepted here (accepted: {', '.join(formats)})",
                                   "unsupported") from None
         raise UnreadableImage(f"cannot read {name}: not an image format PIL can identify") from None

@@ -18,13 +18,14 @@ class EpochSeededBatchSampler:
     """What every batch sampler here shares: a length in batches and an epoch that, with the seed, fixes the
     epoch's batches (`set_epoch` before iterating; iterating does not advance it)."""
 
+    batches_per_epoch: int  # the one asked for, or each subclass's default when None was
+
     def __init__(self, seed: int, batches_per_epoch: int | None) -> None:
         if seed < 0:
             raise ValueError(f"seed must be >= 0 (it seeds numpy's SeedSequence), got {seed}")
         if batches_per_epoch is not None and batches_per_epoch < 1:
             raise ValueError(f"batches_per_epoch must be >= 1, got {batches_per_epoch}")
         self.seed, self.epoch = seed, 0
-        self.batches_per_epoch = batches_per_epoch
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

@@ -30,8 +30,9 @@ def build_transform(
     `image_size`. Inputs must already be RGB (`ImageDataset` converts grayscale).
     """
     if training and augment == "light":
-        return create_transform(image_size, is_training=True, scale=LIGHT_SCALE, color_jitter=None,
-                                mean=tuple(mean), std=tuple(std))
+        return create_transform(  # timm reads color_jitter=None as no jitter, but types it a float
+            image_size, is_training=True, scale=LIGHT_SCALE, color_jitter=None,  # type: ignore[arg-type]
+            mean=tuple(mean), std=tuple(std))
     if training:
         return create_transform(
             image_size,

@@ -67,7 +67,7 @@ def check_arguments(cls: type, params: dict[str, Any], key: str, filled: tuple[s
         hint = f"close matches: {', '.join(m)}" if (m := close_matches(arg, accepted)) else \
             f"it takes: {', '.join(sorted(accepted))}"
         raise ConfigError(f"{key}.{arg}: {owner} takes no argument '{arg}'; {hint}")
-    own = next(c.__init__ for c in cls.__mro__ if "__init__" in vars(c))
+    own = next(vars(c)["__init__"] for c in cls.__mro__ if "__init__" in vars(c))
     missing = [p.name for p in inspect.signature(own).parameters.values()
                if p.name != "self" and p.default is p.empty and p.name not in params and p.name not in filled
                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
@@ -85,7 +85,7 @@ def _build(cls: type, key: str, params: dict[str, Any]) -> nn.Module:
 def _init_arguments(cls: type) -> set[str]:
     # Along the MRO: CosFaceLoss takes *args/**kwargs and hands num_classes on to LargeMarginSoftmaxLoss.
     return {name for c in cls.__mro__ if "__init__" in vars(c)
-            for name in inspect.signature(c.__init__).parameters}
+            for name in inspect.signature(vars(c)["__init__"]).parameters}
 
 
 def build_loss(name: str, params: dict[str, Any] | None = None, *, num_classes: int | None = None,

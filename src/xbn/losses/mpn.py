@@ -17,6 +17,8 @@ from xbn.models.mpn import MessagePassingNetwork
 
 
 class IntraBatchLoss(nn.Module):
+    class_index: torch.Tensor  # buffer: a training label -> its classifier row (-1: not a training class)
+
     def __init__(self, mpn: MessagePassingNetwork, train_labels, temperature: float,
                  label_smoothing: float = 0.1, aux_weight: float = 1.0):
         super().__init__()
@@ -26,7 +28,7 @@ class IntraBatchLoss(nn.Module):
         index = torch.full((int(classes.max()) + 1,), -1, dtype=torch.long)
         index[classes] = torch.arange(len(classes))
         self.register_buffer("class_index", index)
-        dim = mpn.config["dim"]
+        dim = int(mpn.config["dim"])  # the config dict also holds the float dropout
         self.mpn = mpn
         # The authors' classifier on the MPN outputs: a BatchNorm "neck" with a frozen bias, then a bias-free
         # linear layer initialised with std 0.001; the backbone's auxiliary classifier is a plain linear one.

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import timm
 import torch
@@ -144,12 +144,13 @@ def lukemelas_to_timm(
     Flat block N is timm's N-th block in `model.blocks` order, so the mapping follows whatever depth the
     model has (lite0/1/2). A block without `conv_pwl` is timm's depthwise-separable block (no expansion).
     """
-    flat_blocks = [(s, i, block) for s, stage in enumerate(model.blocks) for i, block in enumerate(stage)]
+    flat_blocks = [(s, i, block) for s, stage in enumerate(model.get_submodule("blocks").children())
+                   for i, block in enumerate(stage.children())]
     n_source = 1 + max((int(m.group(1)) for k in state if (m := _BLOCK_KEY.fullmatch(k))), default=-1)
     if n_source != len(flat_blocks):
         raise ValueError(f"the weights have {n_source} blocks but the timm model has {len(flat_blocks)}")
 
-    classifier = model.pretrained_cfg.get("classifier", "classifier")
+    classifier = _pretrained_cfg(model).get("classifier", "classifier")
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
         if match := _BLOCK_KEY.fullmatch(key):
@@ -165,6 +166,11 @@ def lukemelas_to_timm(
             module, _, param = key.partition(".")
             out[f"{_TOP_LEVEL_KEYS.get(module, module)}.{param}"] = tensor
     return out
+
+
+def _pretrained_cfg(model: nn.Module) -> dict[str, Any]:
+    # A plain attribute of every timm model, which nn.Module's __getattr__ types as a Tensor or a Module.
+    return cast(dict[str, Any], model.pretrained_cfg)
 
 
 def load_state_dict_strict(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:
@@ -189,7 +195,7 @@ def _read_state_dict(path: str | Path, model: nn.Module, num_classes: int) -> di
         raise ValueError(f"{path} does not hold a state dict (got {type(state).__name__})")
     if num_classes == 0:
         # A full ImageNet checkpoint still fits a feature extractor: its classifier is simply not needed.
-        prefix = model.pretrained_cfg.get("classifier", "classifier") + "."
+        prefix = _pretrained_cfg(model).get("classifier", "classifier") + "."
         state = {k: v for k, v in state.items() if not k.startswith(prefix)}
     return state
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,8 @@ class Embedder(nn.Module):
     def __init__(self, backbone: nn.Module, embedding_dim: int, freeze_bn: bool = True) -> None:
         super().__init__()
         self.backbone = backbone
-        self.head = nn.Linear(backbone.num_features, embedding_dim)
+        # A timm model's plain int attribute, which nn.Module's __getattr__ types as a Tensor or a Module.
+        self.head = nn.Linear(cast(int, backbone.num_features), embedding_dim)
         self.embedding_dim = embedding_dim
         self.freeze_bn = freeze_bn
         if freeze_bn:

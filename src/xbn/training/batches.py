@@ -16,7 +16,7 @@ import collections
 import contextlib
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -74,14 +74,22 @@ def seeded_rngs(seed: int) -> Iterator[None]:
         torch.set_rng_state(states[2])
 
 
+class SizedDataset(Protocol):
+    """A map-style dataset with a length (torch's Dataset leaves `__len__` out of its interface)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
 class SeededSamples(Dataset):
     """`dataset[(index, seed)]` is `dataset[index]` loaded under `seeded_rngs(seed)`."""
 
-    def __init__(self, dataset: Dataset) -> None:
+    def __init__(self, dataset: SizedDataset) -> None:
         self.dataset = dataset
 
     def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(self.dataset)
 
     def __getitem__(self, row: Row) -> Any:
         index, seed = row

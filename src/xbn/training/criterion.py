@@ -5,6 +5,7 @@ ranks under data parallelism."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ from xbn.losses.memvir import MemVir
 from xbn.losses.rho import RhoRegularizedMiner
 from xbn.memory import AdaptiveKalmanMoments, BatchMoments, CrossBatchMemory, EMAMoments, KalmanMoments
 from xbn.utils import distributed
+
+if TYPE_CHECKING:
+    from xbn.losses.mpn import IntraBatchLoss
 
 __all__ = ["Criterion", "available_memory", "build_criterion", "build_moments", "build_mpn_loss",
            "check_memory_fits", "cross_batch_memory", "memory_rows", "memory_start_iteration", "moments_for"]
@@ -102,6 +106,9 @@ def _bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+_MINING_COUNTS = ("steps", "no_pair", "no_positive", "all_pairs")
+
+
 class Criterion(nn.Module):
     """loss(embeddings, labels) for one training step.
 
@@ -122,7 +129,7 @@ class Criterion(nn.Module):
 
     def __init__(self, loss: nn.Module, miner: nn.Module | None, memory: CrossBatchMemory | None = None,
                  start_iteration: int = 0, add_batch_loss: bool = False,
-                 mpn_loss: nn.Module | None = None):
+                 mpn_loss: IntraBatchLoss | None = None):
         super().__init__()
         self.loss, self.miner, self.memory = loss, miner, memory
         self.mpn_loss = mpn_loss
@@ -131,15 +138,15 @@ class Criterion(nn.Module):
         # SupCon and NT-Xent take their loss over each anchor's positives: mined pairs without a positive
         # give them a loss of exactly 0 and no gradient (see `batch_loss`).
         self.needs_positive = isinstance(loss, (SupConLoss, NTXentLoss))
-        self.take_mining()
+        self.mining = dict.fromkeys(_MINING_COUNTS, 0)
 
     # Mining of the steps since the trainer last read them (`take_mining`): steps that mined, steps whose
     # miner found no positive pair, and those of them that fell back to all pairs.
     mining: dict[str, int]
 
     def take_mining(self) -> dict[str, int]:
-        counts = getattr(self, "mining", None)
-        self.mining = {"steps": 0, "no_pair": 0, "no_positive": 0, "all_pairs": 0}
+        counts = self.mining
+        self.mining = dict.fromkeys(_MINING_COUNTS, 0)
         return counts
 
     def get_extra_state(self):
@@ -173,10 +180,11 @@ class Criterion(nn.Module):
             labels = distributed.gather_rows(labels)
             sources = None if sources is None else distributed.gather_rows(sources)
             inputs = None
-        use_memory = self.memory is not None and self.iteration >= self.start_iteration
+        memory = self.memory if self.iteration >= self.start_iteration else None
+        use_memory = memory is not None
         self.iteration += 1
-        if use_memory:
-            self.memory.set_batch(sources, inputs)
+        if memory is not None:
+            memory.set_batch(sources, inputs)
         if self.mpn_loss is not None:  # Intra-Batch replaces the batch ranking loss; a memory loss adds to it
             loss = self.mpn_loss(embeddings, labels)
             return loss + self.memory_loss(embeddings, labels) if use_memory else loss
@@ -185,6 +193,7 @@ class Criterion(nn.Module):
         return self.memory_loss(embeddings, labels)
 
     def memory_loss(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        assert self.memory is not None  # forward calls it only with a memory
         self.memory.iteration = self.iteration  # named if the memory's statistics turn non-finite
         loss = self.memory(embeddings, labels)
         if self.add_batch_loss:
@@ -212,7 +221,7 @@ def memory_start_iteration(params: Params, steps_per_epoch: int) -> int:
     return epochs * steps_per_epoch + params.memory.delay_steps
 
 
-def build_mpn_loss(params: Params, train_labels) -> nn.Module | None:
+def build_mpn_loss(params: Params, train_labels) -> IntraBatchLoss | None:
     """The Intra-Batch loss of `model.mpn` (nulls: the paper's setting for the dataset), or None."""
     from xbn.losses.mpn import IntraBatchLoss
     from xbn.models.mpn import MessagePassingNetwork
@@ -222,6 +231,7 @@ def build_mpn_loss(params: Params, train_labels) -> nn.Module | None:
         return None
     if train_labels is None:
         raise ValueError("model.mpn.enabled needs the training labels to size its classifiers")
+    assert cfg.layers is not None and cfg.heads is not None and cfg.temperature is not None  # resolved
     mpn = MessagePassingNetwork(params.model.embedding_dim, cfg.layers, cfg.heads, cfg.ffn_multiplier,
                                 cfg.dropout)
     return IntraBatchLoss(mpn, train_labels, cfg.temperature, cfg.label_smoothing, cfg.aux_weight)

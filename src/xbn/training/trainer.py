@@ -588,6 +588,7 @@ class Trainer:
         if self.params.memory.method != "oracle" or c.iteration < c.start_iteration:
             return
         if (c.iteration - c.start_iteration) % self.params.memory.oracle_every == 0:
+            assert c.memory is not None  # memory.method oracle
             c.memory.reembed(self._embed_stored, c.iteration)
 
     def _fill_bank(self) -> None:

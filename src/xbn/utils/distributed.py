@@ -64,13 +64,15 @@ def barrier() -> None:
         dist.barrier()
 
 
-def broadcast_from_main(obj: T) -> T:
-    """Rank 0's `obj` on every rank (a picklable object): decisions taken on rank 0 reach all ranks."""
-    if world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def broadcast_from_main(obj: T | None) -> T:
+    """Rank 0's `obj` on every rank (a picklable object; the other ranks pass None): decisions taken on rank 0
+    reach all ranks."""
+    if world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        obj = box[0]
+    assert obj is not None, "rank 0 broadcast None"
+    return obj
 
 
 def gather_objects(obj: T) -> list[T]:

@@ -59,7 +59,7 @@ def remove_stale_temps(path: str | Path) -> list[Path]:
     path = Path(path)
     ours = re.compile(rf"\.{re.escape(path.name)}\.(?P<host>.+)\.(?P<pid>\d+)\.[0-9a-f]{{8}}\.tmp")
     legacy = re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}\.tmp")
-    removed = []
+    removed: list[Path] = []
     try:
         entries = list(os.scandir(path.parent))
     except OSError:

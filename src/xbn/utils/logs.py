@@ -7,6 +7,10 @@ import logging
 import os
 
 
+class _ConsoleHandler(logging.StreamHandler):
+    xbn_console = True  # ours: the next configure_logging replaces it
+
+
 class _ConsoleFormatter(logging.Formatter):
     """xbn's INFO lines as plain sentences; warnings and errors (and everything under -v) with their source."""
 
@@ -32,8 +36,7 @@ def configure_logging(verbose: bool = False, prefix: str = "", level: int = logg
     for handler in list(root.handlers):  # ours from an earlier call; others' (e.g. pytest's capture) stay
         if getattr(handler, "xbn_console", False):
             root.removeHandler(handler)
-    handler = logging.StreamHandler()
-    handler.xbn_console = True
+    handler = _ConsoleHandler()
     handler.setFormatter(_ConsoleFormatter(verbose, prefix))
     root.addHandler(handler)
     root.setLevel(logging.INFO if verbose else logging.WARNING)

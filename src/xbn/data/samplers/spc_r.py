@@ -52,7 +52,7 @@ class RandomBatchSampler(EpochSeededBatchSampler):
             return rng.choice(self.num_images, size=k, replace=False)
         taken: set[int] = set()
         left = {c: len(m) for c, m in enumerate(self._members)}
-        out = []
+        out: list[int] = []
         while len(out) < k:
             c = int(rng.integers(len(self._members)))
             if not left[c]:
