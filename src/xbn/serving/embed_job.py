@@ -84,7 +84,7 @@ def embed_rows_to_parquet(
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
     frame = frame.reset_index(drop=True)
     output, parts = Path(output), work_dir(output)
-    with_labels = frame["label"].notna().any()
+    with_labels = bool(frame["label"].notna().any())
     total = -(-len(frame) // chunk_size)
     _prepare(
         parts,

@@ -47,6 +47,9 @@ class FromPixels(torch.nn.Module):
     CHW) -> normalise ((x - mean) / std) -> embeddings; the same operations, in the same order, as
     torchvision's ToTensor and Normalize."""
 
+    mean: torch.Tensor  # buffers
+    std: torch.Tensor
+
     def __init__(self, model: torch.nn.Module, mean, std) -> None:
         super().__init__()
         self.model = model

@@ -98,7 +98,7 @@ def plot_evaluation(recall_csv: str | Path, spectrum_csv: str | Path, out_png: s
         axes[0].annotate(f"{r:.3f}", (k, r), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
     axes[0].set(xscale="log", xlabel="k", ylabel="recall@k", title="test recall@k", ylim=(0, 1.05))
     axes[0].set_xticks(recall["k"], [str(k) for k in recall["k"]])
-    if panels == 2:
+    if spectrum is not None and panels == 2:
         axes[1].plot(spectrum["index"], spectrum["normalized"])
         axes[1].set(yscale="log", xlabel="singular value (1 = largest)", ylabel="share of the sum",
                     title="train embedding spectrum")
@@ -227,11 +227,13 @@ def retrieval_grid_from_embeddings(
     `xbn.evaluation.embed.retrieval_protocol`. Only `n_queries` rows are scored, so large galleries are cheap.
     """
     q = np.asarray(query_embeddings, dtype=np.float32)
-    if len(q) != len(queries) or (references is not None and len(references) != len(reference_embeddings)):
+    paired = references is None or (reference_embeddings is not None
+                                    and len(references) == len(reference_embeddings))
+    if len(q) != len(queries) or not paired:
         raise ValueError("retrieval grid: the rows and the embeddings do not pair up (an image skipped as "
                          "unreadable must be left out of the rows too)")
     leave_one_out = references is None
-    if leave_one_out:
+    if references is None:
         references, r = queries, q
     else:
         r = np.asarray(reference_embeddings, dtype=np.float32)

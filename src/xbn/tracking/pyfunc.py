@@ -37,10 +37,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import mlflow.pyfunc
 import numpy as np
 import pandas as pd
 from mlflow.models import ModelSignature
+from mlflow.pyfunc.model import PythonModel  # where it is defined: mlflow.pyfunc does not re-export it
 from mlflow.types import ColSpec, DataType, Schema
 from mlflow.types.schema import Array
 
@@ -67,7 +67,7 @@ class RowError(ValueError):
     """What is wrong with one input row (`embed_rows` prefixes the row's name)."""
 
 
-class EmbedderModel(mlflow.pyfunc.PythonModel):
+class EmbedderModel(PythonModel):
     """See the module docstring."""
 
     batch_size = 64  # images embedded at once: bounds peak memory; the embeddings do not depend on it
@@ -88,8 +88,8 @@ class EmbedderModel(mlflow.pyfunc.PythonModel):
         if registered is not None:
             name, version, expected = registered
             verify_file(checkpoint, expected, what=f"the checkpoint of {name} v{version}")
-        if expected := config.get(CHECKPOINT_SHA256):
-            verify_file(checkpoint, expected, what="checkpoint", recorded="is recorded in its MLmodel")
+        if recorded := config.get(CHECKPOINT_SHA256):
+            verify_file(checkpoint, recorded, what="checkpoint", recorded="is recorded in its MLmodel")
         elif registered is None:  # logged before hashes were recorded
             logging.getLogger(__name__).warning("%s: no recorded sha256, loading it unverified", checkpoint)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

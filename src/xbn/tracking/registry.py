@@ -40,6 +40,7 @@ from xbn.tracking.pyfunc import CHECKPOINT_ARTIFACT
 from xbn.tracking.runs import DATA_ARTIFACTS, PipelineRun, configure, metric_key, metric_name
 from xbn.utils.errors import IntegrityError
 from xbn.utils.integrity import verify_file, write_sidecar
+from xbn.utils.locks import Held
 from xbn.utils.secrets import mask_secrets
 
 METRIC_TAG_PREFIX = "metric."  # versions registered before: a version tag per metric (read, not written)
@@ -133,7 +134,7 @@ class Registry:
         self.name = params.registry.model_name
         self.lock_uri = params.tracking.lock_uri
         self.outage_s = params.tracking.outage_s
-        self._held = None  # the registry lock, while `lock()` holds it
+        self._held: Held | None = None  # the registry lock, while `lock()` holds it
 
     @contextlib.contextmanager
     def lock(self, timeout: float = DEFAULT_TIMEOUT_S):

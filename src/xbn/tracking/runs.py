@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
-import mlflow.data
 import pandas as pd
 import yaml
+from mlflow.data.pandas_dataset import from_pandas  # mlflow.data registers it at import: untyped there
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
@@ -194,9 +194,9 @@ def log_data(params: Params, run: PipelineRun) -> DataSnapshot | None:
         return None
     client = Retrying(MlflowClient(run.tracking_uri))
     files = pd.read_parquet(DATA_FILES)
-    dataset = mlflow.data.from_pandas(files, source=str(Path(params.data.manifest).resolve()),
-                                      name=f"{params.data.dataset}:{Path(params.data.root).name}",
-                                      digest=(found.md5 or found.manifest_md5)[:32])
+    dataset = from_pandas(files, source=str(Path(params.data.manifest).resolve()),
+                          name=f"{params.data.dataset}:{Path(params.data.root).name}",
+                          digest=(found.md5 or found.manifest_md5)[:32])
     mlflow.log_input(dataset, context="training")  # the active run: the stage's `with pipeline_run(...)`
     client.log_artifact(run.run_id, str(DATA_RECORD), DATA_ARTIFACTS)
     client.log_artifact(run.run_id, str(DATA_FILES), DATA_ARTIFACTS)
@@ -343,7 +343,7 @@ def _log_params(client: MlflowClient, run_id: str, flat: Mapping[str, Any]) -> N
         client.set_tag(run_id, "xbn.params_changed", ",".join(changed)[:5000])
 
 
-def _log_series(client: MlflowClient, run_id: str, csv: Path, step_col: str, prefix: str) -> None:
+def _log_series(client: MlflowClient | Retrying, run_id: str, csv: Path, step_col: str, prefix: str) -> None:
     """Log each numeric column of a CSV with step=`step_col`, skipping steps already logged under that key."""
     if not csv.exists() or csv.stat().st_size == 0:
         return

@@ -130,6 +130,8 @@ def health_request(uri: str) -> urllib.request.Request:
     parts = urlsplit(uri)
     url = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])).rstrip("/") + "/health"
     request = urllib.request.Request(url)
+    user: str | None
+    password: str | None
     if parts.username is not None:
         user, password = unquote(parts.username), unquote(parts.password or "")
     else:

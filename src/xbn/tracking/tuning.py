@@ -99,9 +99,9 @@ class StudyTracker:
         """Mark FAILED the child runs of trials Optuna holds as failed: left RUNNING by a worker that died, or
         ended FINISHED by one that died after its trial's run ended and before Optuna was told (the trial then
         counts as lost, and its run must not say otherwise)."""
-        numbers, closed = {str(n) for n in numbers}, []
+        lost, closed = {str(n) for n in numbers}, []
         for run in self.child_runs():
-            if run["status"] != "FAILED" and run["tags"].get(TRIAL_TAG) in numbers:
+            if run["status"] != "FAILED" and run["tags"].get(TRIAL_TAG) in lost:
                 TrialRun(self.client, run["run_id"]).end("FAIL")
                 closed.append(run["run_id"])
         return closed
@@ -123,7 +123,9 @@ def _experiment_id(client: MlflowClient, name: str) -> str:
     try:
         return client.create_experiment(name)
     except MlflowException:  # another worker created it first
-        return client.get_experiment_by_name(name).experiment_id
+        experiment = client.get_experiment_by_name(name)
+        assert experiment is not None
+        return experiment.experiment_id
 
 
 def _log_params(client: MlflowClient, run_id: str, values: Mapping[str, Any]) -> None:

@@ -144,6 +144,6 @@ def duplicate_columns(frame: pd.DataFrame) -> pd.DataFrame:
     for _, group in frame[flagged].groupby(key[flagged]):
         for idx, own in group["split"].items():
             other = group[group["split"] != own].iloc[0]
-            duplicate_of[idx] = f"row {other.name} ({other['split']}): {other['path']}"
+            duplicate_of.at[idx] = f"row {other.name} ({other['split']}): {other['path']}"
     out["duplicate_of"] = duplicate_of
     return out
