@@ -405,7 +405,8 @@ def engine_for(served, setting: str = "auto", graph: str | Path | None = None,
               EngineChoice("onnxruntime", f"{FORCE_ENV}=1") if forced else EngineChoice("auto", "auto"))
     found = registered_graph(graph, served, threads) if graph is not None else None
     try:
-        path, ort_session = (Path(graph), found) if found is not None else cached_graph(served, threads)
+        path, ort_session = ((Path(graph), found) if graph is not None and found is not None
+                             else cached_graph(served, threads))
     except Exception as exc:
         if setting == "onnxruntime":
             raise

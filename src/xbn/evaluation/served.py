@@ -240,7 +240,7 @@ def served(
     return result
 
 
-def model_engine(model: torch.nn.Module, data_config: dict[str, Any], image_size: int, sha256: str,
+def model_engine(model: Embedder, data_config: dict[str, Any], image_size: int, sha256: str,
                  device: str | torch.device, engine: str = "auto") -> OnnxEngine | None:
     """The `inference.engine` of an embedder a stage runs itself (`xbn evaluate`): `engine_for` on `model` as
     served, None for torch; `xbn.evaluation.engine.engined(model, it)` is what then embeds."""

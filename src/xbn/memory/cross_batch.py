@@ -35,6 +35,7 @@ import torch
 from pytorch_metric_learning import losses as pml_losses
 from torch import nn
 
+from xbn.memory.moments import MomentEstimator
 from xbn.utils.errors import NonFiniteLossError
 
 # Dimensions whose memory std is at most this are shifted, not scaled: with sigma[R] = 0 every row equals
@@ -72,6 +73,7 @@ class StoredInputs:
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
         """The stored views of `rows` (positions here) as the model's normalised float input."""
+        assert self.inputs is not None, "no tracked slot has been written yet"
         u8 = self.inputs[rows.to(self.inputs.device)]
         mean, std = self.mean.to(u8.device), self.std.to(u8.device)
         return (u8.float().div_(255) - mean) / std
@@ -82,12 +84,13 @@ class StoredInputs:
         keep = (where >= 0).nonzero().flatten()
         if not len(keep):
             return
-        if self.inputs is None:
+        if self.inputs is None or self.raw is None:
             self.inputs = torch.zeros((len(self), *images.shape[1:]), dtype=torch.uint8, device=images.device)
             self.raw = torch.zeros((len(self), rows.shape[1]), dtype=rows.dtype, device=rows.device)
-        at, keep_dev = where[keep].to(self.inputs.device), keep.to(images.device)
-        self.inputs[at] = self.encode(images[keep_dev])
-        self.raw[at] = rows[keep_dev].to(self.raw.dtype)
+        inputs, raw = self.inputs, self.raw
+        at, keep_dev = where[keep].to(inputs.device), keep.to(images.device)
+        inputs[at] = self.encode(images[keep_dev])
+        raw[at] = rows[keep_dev].to(raw.dtype)
         self.written_at[where[keep]] = iteration
 
     def valid(self, num_valid: int) -> torch.Tensor:
@@ -111,13 +114,20 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
     `exclude_self`: an anchor never meets a stored row of its own image (needs the batch's dataset indices,
     `set_batch(sources=...)`). `attach_batch`: the batch's own rows keep their gradient in the loss."""
 
+    # Buffers (PML's and ours), declared for the type checker: nn.Module types attributes as Tensor | Module.
+    embedding_memory: torch.Tensor
+    label_memory: torch.Tensor
+    row_sum: torch.Tensor
+    row_sq_sum: torch.Tensor
+    source_memory: torch.Tensor
+
     def __init__(
         self,
         loss: nn.Module,
         embedding_size: int,
         memory_size: int,
         miner: nn.Module | None = None,
-        moments: nn.Module | None = None,
+        moments: MomentEstimator | None = None,
         refresh_interval: int = 100,
         exclude_self: bool = False,
         attach_batch: bool = False,
@@ -182,15 +192,17 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
     def reembed(self, embed, iteration: int, chunk: int = 256) -> int:
         """The oracle (issue 42): every tracked valid row becomes `embed(its stored input)`, the current model's
         embedding of the same view, written as a fresh row at `iteration`; returns how many were re-embedded."""
-        rows = self.stored.valid(self.num_valid)
-        if not len(rows):
+        stored = self.stored
+        assert stored is not None, "the oracle re-embeds tracked slots: call track_inputs first"
+        rows = stored.valid(self.num_valid)
+        if not len(rows) or stored.raw is None:
             return 0
         for part in rows.split(chunk):
-            fresh = embed(self.stored.decode(part)).to(self.embedding_memory.dtype)
-            slots = self.stored.slots[part].to(self.embedding_memory.device)
+            fresh = embed(stored.decode(part)).to(self.embedding_memory.dtype)
+            slots = stored.slots[part].to(self.embedding_memory.device)
             self.embedding_memory[slots] = fresh
-            self.stored.raw[part.to(self.stored.raw.device)] = fresh.to(self.stored.raw.dtype)
-            self.stored.written_at[part] = iteration
+            stored.raw[part.to(stored.raw.device)] = fresh.to(stored.raw.dtype)
+            stored.written_at[part] = iteration
         self.refresh_sums()
         return len(rows)
 
@@ -288,7 +300,7 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         batch_sums, dequeued_sums, dequeued = self._new_and_dequeued_sums(embeddings, batch_size)
         if n > 0:
             if self.moments is not None:
-                self._adapt(batch_sums, dequeued_sums, n, dequeued, len(embeddings))
+                self._adapt(self.moments, batch_sums, dequeued_sums, n, dequeued, len(embeddings))
             else:  # xbm: rows stay as written; the moments are still worth watching
                 self._seen = (torch.stack([self.row_sum, self.row_sq_sum]), n)
                 if dequeued:
@@ -314,10 +326,10 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         slots = self.curr_batch_idx
         sources, inputs = self._batch_sources, self._batch_inputs
         if self.exclude_self:  # the only reader of the rows' dataset indices
-            aligned = sources is not None and len(sources) == len(slots)
             if self.source_memory.device != slots.device:
                 self.source_memory = self.source_memory.to(slots.device)
-            self.source_memory[slots] = sources.to(slots.device) if aligned else -1
+            aligned = sources is not None and len(sources) == len(slots)
+            self.source_memory[slots] = sources.to(slots.device) if sources is not None and aligned else -1
         if self.stored is not None and inputs is not None and len(inputs) == len(slots):
             # The slots again, on the host (reading curr_batch_idx back would make the step wait for the GPU).
             host_slots = torch.arange(start, start + len(slots)) % self.memory_size
@@ -360,8 +372,8 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         torch.mul(rows, rows, out=squares)
         return values[:, :b].sum(1), (values[:, b:].sum(1) if dequeued else None), dequeued
 
-    def _adapt(self, batch_sums: torch.Tensor, dequeued_sums: torch.Tensor | None, n: int, dequeued: int,
-               batch_size: int) -> None:
+    def _adapt(self, estimator: MomentEstimator, batch_sums: torch.Tensor, dequeued_sums: torch.Tensor | None,
+               n: int, dequeued: int, batch_size: int) -> None:
         # [batch, memory] x [sum, sum of squares] -> [batch, memory] x [mean, second moment] -> moments
         moments = torch.stack([batch_sums, torch.stack([self.row_sum, self.row_sq_sum])])
         moments[0].div_(batch_size)
@@ -369,12 +381,12 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         means, second_moments = moments.unbind(1)  # (views; no autograd: the batch is detached, rows are buffers)
         stds = torch.addcmul(second_moments, means, means, value=-1).clamp_min_(0.0).sqrt_()
         (batch_mean, memory_mean), (batch_std, memory_std) = means, stds
-        target_mean, target_std = self.moments(memory_mean, memory_std, batch_mean, batch_std, batch_size)
+        target_mean, target_std = estimator(memory_mean, memory_std, batch_mean, batch_std, batch_size)
 
         # Eq. 6 as one affine map per dimension: z -> scale * z + shift.
         scale = torch.div(target_std, memory_std).masked_fill_(memory_std <= STD_EPS, 1.0)
         shift = torch.addcmul(target_mean, scale, memory_mean, value=-1)
-        gain = getattr(self.moments, "gain", None)
+        gain = getattr(estimator, "gain", None)
         checked = torch.stack([batch_mean, memory_mean, batch_std, memory_std, scale, shift, target_mean,
                                target_std, *([gain] if gain is not None else [])])
         affine = self._finite_or_identity(checked, checked[4:6])
@@ -384,7 +396,7 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
 
         # The sums follow the map analytically over the rows that stay, m of them:
         # sum' = a sum + m b, sq' = a^2 sq + 2ab sum + m b^2 = a (a sq + 2b sum) + m b^2.
-        if dequeued:
+        if dequeued_sums is not None:
             self._add_sums(dequeued_sums, -1)
         (a, b), m = affine, n - dequeued
         self.row_sq_sum.mul_(a).addcmul_(b, self.row_sum, value=2).mul_(a).addcmul_(b, b, value=m)

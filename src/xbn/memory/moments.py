@@ -21,7 +21,15 @@ import torch
 from torch import nn
 
 
-class BatchMoments(nn.Module):
+class MomentEstimator(nn.Module):
+    """What `CrossBatchMemory` calls: forward(memory_mean, memory_std, batch_mean, batch_std, batch_size) ->
+    (target_mean, target_std), and `diagnostics()`, read when the trainer logs."""
+
+    def diagnostics(self) -> dict[str, float | torch.Tensor]:
+        raise NotImplementedError
+
+
+class BatchMoments(MomentEstimator):
     """XBN (Eq. 6): match the memory to the current minibatch's mean and std."""
 
     def forward(self, memory_mean, memory_std, batch_mean, batch_std, batch_size: int):
@@ -31,9 +39,12 @@ class BatchMoments(nn.Module):
         return {"gain": 1.0}
 
 
-class _CountedMoments(nn.Module):
+class _CountedMoments(MomentEstimator):
     """A step counter kept twice: a buffer, saved with the state, and a Python int that the per-step branches
     read, so that no step waits for the device (reading a CUDA tensor as a number synchronises the host)."""
+
+    steps: torch.Tensor  # buffers, declared for the type checker (nn.Module types its attributes Tensor | Module)
+    gain: torch.Tensor  # every subclass keeps its per-dimension gain as a buffer
 
     def __init__(self):
         super().__init__()
@@ -55,6 +66,9 @@ class _CountedMoments(nn.Module):
 
 class _RecursiveMoments(_CountedMoments):
     """x <- x + K (y - x) for the mean and the std, per dimension; subclasses say what the gain K is."""
+
+    mean: torch.Tensor
+    std: torch.Tensor
 
     def __init__(self, dim: int):
         super().__init__()
@@ -85,6 +99,8 @@ class KalmanMoments(_RecursiveMoments):
     Predict: P- = P + q.  Update: K = P- / (P- + r/|B|), P = (1 - K) P-.  The gain is recomputed only every
     `gain_interval` iterations (Algorithm 1's N) and held in between; |B| is the global batch size.
     """
+
+    covariance: torch.Tensor
 
     def __init__(self, dim: int, p0: float, q: float, r: float, gain_interval: int = 1):
         super().__init__(dim)
@@ -130,6 +146,12 @@ class AdaptiveKalmanMoments(_CountedMoments):
       (tiny R) whose level moves by an amount negligible anywhere else; its huge ratio would raise every
       dimension's gain towards 1 (XBN). The median ignores up to half the dimensions.
     """
+
+    mean: torch.Tensor
+    std: torch.Tensor
+    mean_covariance: torch.Tensor
+    std_covariance: torch.Tensor
+    relative_process_noise: torch.Tensor
 
     def __init__(self, dim: int, innovation_momentum: float = 0.05):
         super().__init__()

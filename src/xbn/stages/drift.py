@@ -99,13 +99,13 @@ def _embed(params: Params, checkpoint: str | Path, old: pd.DataFrame, new: pd.Da
 
     model, data_config, _ = load_embedder(checkpoint, map_location="cpu", verify=False)  # checked on download
     mode = inference_mode(params, model, torch.device("cpu"))
-    model = engined(model, model_engine(model, data_config, params.data.image_size, file_digest(checkpoint), "cpu",
-                                        params.inference.engine))
+    network = engined(model, model_engine(model, data_config, params.data.image_size, file_digest(checkpoint), "cpu",
+                                          params.inference.engine))
     frame = pd.concat([old.assign(split="old"), new.assign(split="new")], ignore_index=True)
     codes = dict(enumerate(sorted(frame["label"].unique())))  # embed_split's label codes: the sorted labels
     out = []
     for split in ("old", "new"):
-        emb, labels = embed_split(model, frame, params.data.root, split, image_size=params.data.image_size,
+        emb, labels = embed_split(network, frame, params.data.root, split, image_size=params.data.image_size,
                                   mean=data_config["mean"], std=data_config["std"],
                                   batch_size=params.eval.batch_size, num_workers=0, device=torch.device("cpu"),
                                   mode=mode)

@@ -17,7 +17,14 @@ from xbn.config.schema import MemoryConfig
 from xbn.losses import build_loss, build_miner
 from xbn.losses.memvir import MemVir
 from xbn.losses.rho import RhoRegularizedMiner
-from xbn.memory import AdaptiveKalmanMoments, BatchMoments, CrossBatchMemory, EMAMoments, KalmanMoments
+from xbn.memory import (
+    AdaptiveKalmanMoments,
+    BatchMoments,
+    CrossBatchMemory,
+    EMAMoments,
+    KalmanMoments,
+    MomentEstimator,
+)
 from xbn.utils import distributed
 
 if TYPE_CHECKING:
@@ -27,12 +34,12 @@ __all__ = ["Criterion", "available_memory", "build_criterion", "build_moments", 
            "check_memory_fits", "cross_batch_memory", "memory_rows", "memory_start_iteration", "moments_for"]
 
 
-def build_moments(params: Params) -> nn.Module | None:
+def build_moments(params: Params) -> MomentEstimator | None:
     """The moment estimator of `memory.method` (None for xbm: the stored rows are left as they were written)."""
     return moments_for(params.memory, params.model.embedding_dim)
 
 
-def moments_for(mem: MemoryConfig, dim: int) -> nn.Module | None:
+def moments_for(mem: MemoryConfig, dim: int) -> MomentEstimator | None:
     if mem.method == "xbn":
         return BatchMoments()
     if mem.method == "axbn":
