@@ -97,7 +97,16 @@ class DataConfig(Section):
     val_classes: float = Field(0.15, ge=0.0, lt=1.0)
     split_seed: int = Field(0, ge=0)
     image_size: int = Field(64, ge=16)
-    num_workers: int = Field(2, ge=0)
+    # DataLoader worker processes; auto: the cores this process may use, less one, at most 8 (xbn.data.loading).
+    # Free to differ between runs and on resume: every sample's augmentation is seeded by the sample.
+    num_workers: typing.Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
+    # The decode cache of the training images (xbn.data.cache): true | false (PIL, the reference) | auto: on when
+    # the decoded training set fits in cache_max_gb.
+    cache: bool | Literal["auto"] = "auto"
+    cache_max_gb: float = Field(4.0, gt=0.0)
+    # Where the cached path's colour augmentation runs: loader (the DataLoader workers) | device (the whole batch
+    # on the training device) | auto: device on CUDA, else loader. Same draws either way (xbn.data.tensor_transforms).
+    augment_on: Literal["auto", "loader", "device"] = "auto"
     # dvc: the retrain flow tracks data.root with DVC and pushes it to the DVC remote before training (the
     # md5 is the data fingerprint; `xbn data restore` brings any version's images back); none: not versioned.
     version: Literal["dvc", "none"] = "dvc"

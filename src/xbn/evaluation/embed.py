@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from xbn.data import ImageDataset, build_transform, encode_labels
 from xbn.data.dataset import collate_skipping, loader_worker_init
+from xbn.data.loading import loader_options, resolve_num_workers
 from xbn.evaluation.inference import FLOAT32, InferenceMode, run
 from xbn.evaluation.metrics import retrieval_metrics
 from xbn.utils.progress import bar
@@ -27,12 +28,14 @@ def autocast(device: torch.device, enabled: bool = True):
 
 
 def image_loader(frame: pd.DataFrame, root: str | Path, labels: np.ndarray, transform, batch_size: int,
-                 num_workers: int, device: torch.device, skip_unreadable: bool = False) -> DataLoader:
-    """`skip_unreadable`: unreadable images are left out of their batch (see `embed`'s `kept`)."""
+                 num_workers: int | str, device: torch.device, skip_unreadable: bool = False) -> DataLoader:
+    """`skip_unreadable`: unreadable images are left out of their batch (see `embed`'s `kept`). `num_workers`:
+    a number or `auto` (`xbn.data.loading.resolve_num_workers`); one pass, so the workers do not persist."""
     dataset = ImageDataset(frame, root, labels, transform, skip_unreadable=skip_unreadable)
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
-                      collate_fn=collate_skipping if skip_unreadable else None,
-                      worker_init_fn=loader_worker_init, pin_memory=device.type == "cuda", persistent_workers=False)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False,
+                      collate_fn=collate_skipping if skip_unreadable else None, worker_init_fn=loader_worker_init,
+                      **loader_options(resolve_num_workers(num_workers), device.type, persistent=False,
+                                       queued_batches=None))
 
 
 @torch.no_grad()

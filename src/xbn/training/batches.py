@@ -13,16 +13,14 @@ process would have seen.
 from __future__ import annotations
 
 import collections
-import contextlib
-import random
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 from torch.utils.data import Dataset
 
 from xbn.data import ClassBalancedBatchSampler
+from xbn.data.seeding import seeded_rngs
 
 Row = tuple[int, int]  # (dataset index, augmentation seed)
 
@@ -55,23 +53,6 @@ class RankBatchSampler:
             share = len(batch) // self.world_size
             lo, hi = self.rank * share, (self.rank + 1) * share
             yield [(int(i), int(s)) for i, s in zip(batch[lo:hi], seeds[lo:hi])]
-
-
-@contextlib.contextmanager
-def seeded_rngs(seed: int) -> Iterator[None]:
-    """Seed Python's, NumPy's and torch's CPU generators (timm's augmentations draw from all three), then
-    restore them, so the caller's random streams are untouched. Only the CPU generator: reseeding CUDA's
-    (as torch.manual_seed does) would disturb the training process's GPU stream."""
-    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.default_generator.manual_seed(seed)
-    try:
-        yield
-    finally:
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.set_rng_state(states[2])
 
 
 class SizedDataset(Protocol):

@@ -37,7 +37,10 @@ from tqdm import tqdm
 
 from xbn.config import ConfigError, Params, flatten
 from xbn.data import DatasetError, ImageDataset, build_transform, encode_labels, read_manifest
+from xbn.data.cache import CachedImageDataset, DecodedImages
+from xbn.data.cache import prepare as prepare_cache
 from xbn.data.dataset import collate_skipping, loader_worker_init
+from xbn.data.loading import QUEUED_BATCHES, loader_options, resolve_num_workers
 from xbn.data.samplers import build_batch_sampler
 from xbn.evaluation.embed import autocast, evaluate_split, image_loader
 from xbn.evaluation.embed import embed as embed_images
@@ -167,9 +170,8 @@ class Trainer:
         self.eval_transform = build_transform(p.data.image_size, training=False, mean=mean, std=std)
         # An image that became unreadable after `validate` is skipped and counted, not fatal; not under DDP,
         # where a rank's smaller slice would break the gather of the global batch: there it still raises.
-        train_set = ImageDataset(train_frame, p.data.root, train_labels,
-                                 build_transform(p.data.image_size, training=True, mean=mean, std=std),
-                                 skip_unreadable=self.world_size == 1)
+        self.num_workers = resolve_num_workers(p.data.num_workers)
+        train_set = self._training_images(train_frame, train_labels, mean, std)
         self.train_paths = train_set.paths
         _check_enough_classes(train_frame, p.data.manifest)
         # train.batch_size is the global batch; each rank loads its slice of it.
@@ -184,10 +186,15 @@ class Trainer:
         self.sampler = RankBatchSampler(batches, self.rank, self.world_size, seed=p.train.seed)
         self.loader_generator = torch.Generator()
         self.requested = RequestedBatches(self.sampler)  # names the rows a batch lost
+        # Persistent workers: no start-up per epoch (each sample is seeded by itself, not by its worker). An
+        # embedded sampler's batches are chosen from a bank that every step refreshes: torch's 2 queued batches
+        # per worker, no deeper, so that they are not chosen from an older bank.
+        queued = None if hasattr(batches, "observe") else QUEUED_BATCHES
         self.loader = DataLoader(SeededSamples(train_set), batch_sampler=self.requested,
-                                 collate_fn=collate_skipping, num_workers=p.data.num_workers,
-                                 worker_init_fn=loader_worker_init, pin_memory=self.device.type == "cuda",
-                                 generator=self.loader_generator, persistent_workers=False)
+                                 collate_fn=getattr(train_set, "collate", collate_skipping),
+                                 worker_init_fn=loader_worker_init,
+                                 generator=self.loader_generator,
+                                 **loader_options(self.num_workers, self.device.type, queued_batches=queued))
         probe_set = ImageDataset(train_frame, p.data.root, train_labels, self.eval_transform,
                                  skip_unreadable=True)
         probe_idx = np.linspace(0, len(probe_set) - 1, min(p.train.probe_size, len(probe_set))).astype(int)
@@ -212,6 +219,42 @@ class Trainer:
         self.net: nn.Module = self.model  # what the training step calls: the model or its DDP wrapper
         self.window_steps = self.window_zero_loss = 0  # `train.stall`'s window of steps
         self.optimizer, self.scheduler = self._optimizer_for(0)
+
+    def _training_images(self, frame, labels, mean, std):
+        """The training set: read through the decode cache (`data.cache`, `xbn.data.cache`) or with PIL and
+        timm's transform. Rank 0 builds the cache; the other ranks wait for it and open the same file."""
+        p = self.params
+        skip = self.world_size == 1
+        images = ImageDataset(frame, p.data.root, labels,
+                              build_transform(p.data.image_size, training=True, mean=mean, std=std),
+                              skip_unreadable=skip)
+        self.device_augment = None
+        self.data_pipeline: dict = {"num_workers": self.num_workers, "augment_on": "loader"}
+        if p.data.cache is False:
+            self.data_pipeline["cache"] = {"path": None, "reason": "data.cache=false"}
+            return images
+        record = None
+        if self.is_main:
+            from xbn.data.snapshot import current_record
+
+            found = current_record(p) if p.data.version == "dvc" else None
+            record = prepare_cache(images, p.data.image_size, p.data.cache, p.data.cache_max_gb,
+                                   found.md5 if found is not None else None, threads=max(1, self.num_workers + 1))
+        record = distributed.broadcast_from_main(record)
+        self.data_pipeline["cache"] = record
+        if record["path"] is None:
+            return images
+        on_device = p.data.augment_on == "device" or (p.data.augment_on == "auto" and self.device.type == "cuda")
+        self.data_pipeline["augment_on"] = "device" if on_device else "loader"
+        cached = CachedImageDataset(DecodedImages(record["path"], record["key"]), images, p.data.image_size, mean,
+                                    std, mode="train_device" if on_device else "train", skip_unreadable=skip)
+        if on_device:
+            self.device_augment = cached.augment
+        if self.is_main:
+            log.info("training images: decode cache %s (%s; keyed on %s), batch augmentation on the %s, %d "
+                     "loader workers", record["path"], record["reason"], record["keyed_on"],
+                     self.data_pipeline["augment_on"], self.num_workers)
+        return cached
 
     def _track_memory_inputs(self):
         """The memory slots whose inputs are kept (issue 42): all of them for the oracle, a fixed sample of
@@ -555,6 +598,8 @@ class Trainer:
         """One optimisation step on a batch (the benchmarks time exactly this); returns the loss and the
         embeddings. A non-finite loss stops before the update, so the weights stay the last good ones.
         `indices`: the batch's dataset indices (read with `memory.exclude_self`)."""
+        if isinstance(images, dict):  # the cached path's uint8 crops: the batch stage on the device (augment_on)
+            images = self.augment_batch(images)
         images = images.to(self.device, non_blocking=True)
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
@@ -580,6 +625,13 @@ class Trainer:
                 f"is {self.checkpoint_dir / 'last.pt'}")
         self.optimizer.step()
         return value, embeddings
+
+    def augment_batch(self, batch: dict) -> torch.Tensor:
+        """`data.augment_on: device`: the batch stage of the augmentation (RandAugment, normalisation, erasing) of
+        a batch of cached crops (uint8, with each sample's draws) on the training device, as the loader's workers
+        would have run it."""
+        pixels = batch["pixels"].to(self.device, non_blocking=True)
+        return self.device_augment.color_batch(pixels, batch["params"])
 
     def _refresh_oracle(self) -> None:
         """memory.method=oracle: before every `memory.oracle_every`-th step with the memory, every stored row is
