@@ -204,8 +204,16 @@ def loader_section(data: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
             f"medians; loads {min(loads)} to {max(loads)}.", "", render(data), "",
             f"Target: {s['target']}: {s['loader_to_model_ratio']} (rounds: "
             f"{', '.join(str(x) for x in s['per_round_ratios'])}) -> {_verdict(s['target_met'])}.", ""]
-    return "\n".join(out), [{"section": "loader", "file": data["_file"], "what": "loader / model images/s",
-                             "value": s["loader_to_model_ratio"], "verdict": "met" if s["target_met"] else "missed"}]
+    found = [{"section": "loader", "file": data["_file"], "what": "loader / model images/s",
+              "value": s["loader_to_model_ratio"], "verdict": "met" if s["target_met"] else "missed"}]
+    if epochs := data.get("epochs"):  # issue 44 item 1: the decode cache against the PIL path
+        from benchmarks.loader_bench import render_epochs
+
+        out += [render_epochs(epochs)]
+        found.append({"section": "loader", "file": data["_file"], "value": epochs["cache_over_pil"]["median"],
+                      "what": f"training epoch wall time, decode cache / PIL <= {epochs['target_at_most']}",
+                      "verdict": epochs["verdict"]})
+    return "\n".join(out), found
 
 
 def gpu_section(data: dict[str, Any] | None) -> str:
@@ -225,6 +233,12 @@ def gpu_section(data: dict[str, Any] | None) -> str:
                                                    ["real", data["real_images_per_s"]]]), "",
             f"real / synthetic = {data['real_to_synthetic_ratio']}; peak GPU memory {data['peak_gpu_memory_gb']} GB.",
             ""]
+    if by := data.get("real_by_pipeline"):  # issue 44 item 1: the decode cache against the PIL path
+        out += [f"Real input by pipeline, interleaved rounds (target: real / synthetic >= {data['target_at_least']} "
+                f"for `{cfg.get('pipeline', 'cache')}` -> {_verdict(data['verdict'])}):", "",
+                markdown_table(["pipeline", "median images/s", "each round", "real / synthetic", "workers"],
+                               [[name, v["median_images_per_s"], ", ".join(str(x) for x in v["per_round"]),
+                                 v["real_to_synthetic_ratio"], v["num_workers"]] for name, v in by.items()]), ""]
     if variants := data.get("variants"):
         auto = data["channels_last_auto"]
         out += [f"Synthetic images/s of the same step in each precision and memory format, "

@@ -1,0 +1,53 @@
+"""Training through the decode cache (`data.cache: true`) end to end: the same run whatever the number of loader
+workers and wherever the batch stage of the augmentation runs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from xbn.stages.prepare import prepare
+from xbn.training.trainer import Trainer
+
+FAST = ("train.epochs=1", "train.warmup_epochs=0", "data.cache=true", "memory.method=xbn")
+
+
+def run(tiny_params, name: str, *overrides: str):
+    params = tiny_params(*FAST, f"train.checkpoint_dir={name}", f"train.metrics_dir={name}_metrics", *overrides)
+    prepare(params)
+    trainer = Trainer(params, progress=False)
+    summary = trainer.fit()
+    return trainer, summary
+
+
+def test_a_cached_run_is_the_same_with_0_or_2_workers_and_with_the_batch_stage_on_the_device(tiny_params,
+                                                                                              tmp_path,
+                                                                                              monkeypatch):
+    monkeypatch.setenv("XBN_CACHE_DIR", str(tmp_path / "cache"))
+    first, summary = run(tiny_params, "w0", "data.num_workers=0")
+    assert first.data_pipeline["cache"]["reason"] == "built" and first.data_pipeline["augment_on"] == "loader"
+    assert summary["iterations"] > 0 and all(torch.isfinite(p).all() for p in first.model.parameters())
+    second, _ = run(tiny_params, "w2", "data.num_workers=2")
+    assert second.data_pipeline["cache"]["reason"] == "found"  # the first run's file, by content
+    assert second.loader.persistent_workers and second.loader.num_workers == 2
+    # augment_on=device on a CPU: the batch stage runs in the training process instead of the workers' collate
+    third, _ = run(tiny_params, "dev", "data.num_workers=0", "data.augment_on=device")
+    assert third.data_pipeline["augment_on"] == "device" and third.device_augment is not None
+    losses = [[s["loss"] for s in t.history.steps] for t in (first, second, third)]
+    assert losses[0] == losses[1] == losses[2]
+    for other in (second, third):
+        for (name, a), b in zip(first.model.state_dict().items(), other.model.state_dict().values()):
+            assert torch.equal(a, b), name
+    assert len(list(Path(os.environ["XBN_CACHE_DIR"]).glob("decoded-*.xbnc"))) == 1
+
+
+def test_cache_false_reads_with_pil(tiny_params, tmp_path, monkeypatch):
+    monkeypatch.setenv("XBN_CACHE_DIR", str(tmp_path / "cache"))
+    trainer, summary = run(tiny_params, "pil", "data.cache=false", "data.num_workers=auto")
+    assert trainer.data_pipeline["cache"]["path"] is None and summary["iterations"] > 0
+    assert not (tmp_path / "cache").exists()
+    from xbn.data.dataset import ImageDataset
+
+    assert isinstance(trainer.loader.dataset.dataset, ImageDataset)
