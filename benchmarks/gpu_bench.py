@@ -217,7 +217,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         reals: dict[str, list[float]] = {name: [] for name in trainers}
         for r in range(args.rounds):  # interleaved, the order alternating: GPU clock drift hits both alike
             for name in (list(trainers) if r % 2 == 0 else list(reversed(trainers))):
-                reals[name].append(_rate(trainers[name], _cycle(trainers[name].loader), args.steps, args.warmup))
+                # the batches as an epoch iterates them (the cache's batch stage prepared ahead on the GPU)
+                reals[name].append(_rate(trainers[name], _cycle(trainers[name].epoch_batches()), args.steps,
+                                         args.warmup))
         real_by_pipeline = {name: {"median_images_per_s": round(statistics.median(v), 1),
                                    "per_round": [round(x, 1) for x in v],
                                    "real_to_synthetic_ratio": round(statistics.median(v) / synthetic, 3),

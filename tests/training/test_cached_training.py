@@ -51,3 +51,32 @@ def test_cache_false_reads_with_pil(tiny_params, tmp_path, monkeypatch):
     from xbn.data.dataset import ImageDataset
 
     assert isinstance(trainer.loader.dataset.dataset, ImageDataset)
+
+
+def test_device_batches_hand_over_every_batch_in_order_and_raise_the_loaders_error():
+    """`DeviceBatches` (the CUDA path's prefetching thread) on the CPU: the same batches, in order; an error in
+    the loader reaches the consumer; stopping early ends the thread."""
+    import threading
+
+    import pytest
+
+    from xbn.training.prefetch import DeviceBatches
+
+    batches = [(torch.full((2, 3), float(i)), torch.tensor([i, i]), torch.tensor([2 * i, 2 * i + 1]))
+               for i in range(7)]
+    got = list(DeviceBatches(batches, lambda x: x * 2, torch.device("cpu")))
+    assert len(got) == 7 and all(torch.equal(g[0], b[0] * 2) and torch.equal(g[1], b[1]) for g, b in
+                                 zip(got, batches))
+
+    def failing():
+        yield batches[0]
+        raise OSError("disk gone")
+
+    seen = []
+    with pytest.raises(OSError, match="disk gone"):
+        for batch in DeviceBatches(failing(), lambda x: x, torch.device("cpu")):
+            seen.append(batch)
+    assert len(seen) == 1
+    for _ in DeviceBatches(batches * 100, lambda x: x, torch.device("cpu"), depth=1):
+        break
+    assert not [t for t in threading.enumerate() if t.name == "xbn-device-batches"]

@@ -60,7 +60,7 @@ from xbn.utils.io import atomic_path
 log = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "XBN_CACHE_DIR"
-DEFAULT_CACHE_DIR = ".xbn-cache"  # in the project root (git- and DVC-ignored)
+DEFAULT_CACHE_DIR = ".xbn-cache"  # in the project root; it holds a .gitignore of `*`, so git ignores it anywhere
 FORMAT = "xbn-decode-cache/1"
 RULE = "eval-resize/1"  # the resize rule's version: bump it when what is stored changes
 MAGIC = b"XBNDEC01"
@@ -136,6 +136,10 @@ def build(images: ImageDataset, image_size: int, path: str | Path, key: str, thr
     """Decode, resize and store every row of `images` at `path` (atomically). `threads`: decoding threads (PIL
     releases the GIL while it decodes and resizes)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ignore = path.parent / ".gitignore"
+    if not ignore.exists():  # the folder ignores itself in any project (as .pytest_cache does)
+        ignore.write_text("# the decode cache of xbn's training images (data.cache): rebuilt when missing\n*\n")
     resize = stored_resize(image_size)
     started = time.perf_counter()
     offsets: list[int | None] = []

@@ -51,6 +51,7 @@ from xbn.training.batches import RankBatchSampler, RequestedBatches, SeededSampl
 from xbn.training.criterion import Criterion, build_criterion
 from xbn.training.diagnostics import MEMORY_DRIFT_COLUMNS, FeatureDrift, memory_drift, summarize_memory_drift
 from xbn.training.memory_format import choose_channels_last
+from xbn.training.prefetch import DeviceBatches
 from xbn.training.replicas import compare_replicas
 from xbn.utils import distributed
 from xbn.utils.errors import NonFiniteLossError, TrainingStalledError
@@ -569,7 +570,7 @@ class Trainer:
         self.net.train()
         losses, seen, started = [], 0, time.perf_counter()
         # A bar on a terminal; under dvc repro or a scheduler (no terminal) the epoch's log line says it all.
-        bar = tqdm(self.loader, desc=f"epoch {self.epoch + 1}/{self.total_epochs}", leave=False,
+        bar = tqdm(self.epoch_batches(), desc=f"epoch {self.epoch + 1}/{self.total_epochs}", leave=False,
                    disable=not (self.progress and self.is_main and sys.stderr.isatty()), mininterval=1)
         for images, labels, indices in bar:
             if missing := self.requested.missing(indices):
@@ -625,6 +626,13 @@ class Trainer:
                 f"is {self.checkpoint_dir / 'last.pt'}")
         self.optimizer.step()
         return value, embeddings
+
+    def epoch_batches(self):
+        """What an epoch iterates: the loader, or, with the batch stage of the augmentation on a CUDA device,
+        the loader's batches prepared on the GPU by a background thread ahead of the step (`DeviceBatches`)."""
+        if self.device_augment is not None and self.device.type == "cuda":
+            return DeviceBatches(self.loader, self.augment_batch, self.device)
+        return self.loader
 
     def augment_batch(self, batch: dict) -> torch.Tensor:
         """`data.augment_on: device`: the batch stage of the augmentation (RandAugment, normalisation, erasing) of
