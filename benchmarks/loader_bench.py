@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "training loader vs training step, images/s, CPU",
         "command": command.strip(), "machine": info,
         "settings": {"dataset": "glyphs", "glyph_classes": params.data.glyphs.classes,
-                     "image_size": params.data.image_size, "num_workers": params.data.num_workers,
+                     "image_size": params.data.image_size, "num_workers": trainer.num_workers,
+                     "data_cache": params.data.cache,
                      "batch_size": params.train.batch_size, "backbone": params.model.backbone,
                      "memory": params.memory.method, "memory_rows": trainer.criterion.memory.memory_size
                      if trainer.criterion.memory is not None else 0,
