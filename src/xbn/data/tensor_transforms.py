@@ -197,8 +197,18 @@ class TensorAugment:
             for i, r in enumerate(rows):
                 if int(r[2 * k]):  # 0: Identity
                     groups.setdefault((int(r[2 * k]), r[2 * k + 1]), []).append(i)
+            if not groups:
+                continue
+            # The groups' rows, one after another: one copy to the device per slot (a copy per group would wait
+            # for the device each time), each group a slice of it.
+            order = torch.tensor([i for members in groups.values() for i in members])
+            if images.is_cuda:
+                order = order.pin_memory()
+            order = order.to(images.device, non_blocking=True)
+            start = 0
             for (op, magnitude), members in groups.items():
-                index = torch.tensor(members, device=images.device)
+                index = order[start:start + len(members)]
+                start += len(members)
                 images[index] = apply_op(images[index], self.space[op][0], magnitude, self.fill)
         out = to_float(images, self.mean.to(images.device), self.std.to(images.device))
         for i, r in enumerate(rows):

@@ -699,6 +699,9 @@ class Trainer:
             "final_loss": epochs[-1]["loss"] if epochs else None,
             "memory_rows": self.criterion.memory.memory_size if self.criterion.memory is not None else 0,
             "skipped_images": len(self.history.skipped),
+            # which augmentation recipe trained it: the decode cache's tensor recipe or the PIL reference
+            "decode_cache": self.data_pipeline["cache"].get("path") is not None,
+            "augment_on": self.data_pipeline["augment_on"],
             "channels_last": self.channels_last,  # and what chose it (train.channels_last, or auto's probe)
             **{k: v for k, v in self.memory_format.items() if k != "channels_last"},
             "warnings": list(self.history.warnings),
