@@ -150,14 +150,20 @@ def _seeded(dataset, j: int):
         return dataset[j % len(dataset)]
 
 
-def test_every_randaugment_operation_runs_on_a_batch():
+def test_every_randaugment_operation_acts_per_image():
+    """Each operation on a batch gives what it gives each image alone (equalize and autocontrast take their
+    statistics per image, not over the batch), so a sample does not depend on its batch."""
     augment = TensorAugment(24, MEAN, STD)
-    images = torch.randint(0, 256, (1, 3, 24, 24), dtype=torch.uint8).repeat(3, 1, 1, 1)  # one image, 3 times
+    images = torch.randint(0, 256, (3, 3, 24, 24), dtype=torch.uint8)
+    images[1] //= 3  # other statistics
     for op, (name, magnitude, _) in enumerate(augment.space):
         params = torch.tensor([[op, magnitude or 0.0, 0, 0, -1, -1, -1, -1]] * 3, dtype=torch.float64)
         out = augment.color_batch(images, params)
         assert out.shape == (3, 3, 24, 24) and torch.isfinite(out).all(), name
-        assert torch.equal(out[0], out[1]), name  # per image: the same draw gives the same result
+        for i in range(3):
+            assert torch.equal(out[i], augment.color_batch(images[i:i + 1], params[i:i + 1])[0]), name
+        if name != "Identity":
+            assert not torch.equal(out, augment.color_batch(images, params * torch.tensor([0.0] + [1.0] * 7))), name
 
 
 # (c) keyed by content; atomic --------------------------------------------------------------------------------
@@ -209,7 +215,7 @@ def test_a_build_killed_midway_leaves_no_cache_and_the_next_run_builds_it(folder
     env = {**os.environ, "XBN_FAULT": "cache.after_rows",
            "PYTHONPATH": os.pathsep.join(sys.path)}
     killed = subprocess.run([sys.executable, "-c", BUILD, str(root), str(tmp_path / "rows.csv")], env=env,
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, check=False)
     assert killed.returncode == -9, killed.stderr
     folder_ = Path(os.environ["XBN_CACHE_DIR"])
     assert not list(folder_.glob("decoded-*.xbnc"))
@@ -240,7 +246,7 @@ def test_auto_reads_with_pil_over_the_budget_and_unreadable_rows_are_skipped(fol
     assert record["reason"] == "built" and read_index(record["path"])["offsets"][2] is None
     data = CachedImageDataset(DecodedImages(record["path"]), images, 32, MEAN, STD, skip_unreadable=True)
     assert data[2] is None and data[3] is not None
-    images, labels, indices = data.collate([data[i] for i in range(len(data))])
+    images, _, indices = data.collate([data[i] for i in range(len(data))])
     assert images.shape == (5, 3, 32, 32) and 2 not in indices.tolist()
 
 

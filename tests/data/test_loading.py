@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from tests_support import ROOT
 
 from xbn.config import ConfigError, load_params
 from xbn.data import loading
 from xbn.data.loading import loader_options, resolve_num_workers
-from tests_support import ROOT
 
 
 def test_auto_is_the_usable_cores_less_one_capped_and_shared_by_the_local_processes(monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from xbn.stages.prepare import prepare
@@ -58,8 +59,6 @@ def test_device_batches_hand_over_every_batch_in_order_and_raise_the_loaders_err
     the loader reaches the consumer; stopping early ends the thread."""
     import threading
 
-    import pytest
-
     from xbn.training.prefetch import DeviceBatches
 
     batches = [(torch.full((2, 3), float(i)), torch.tensor([i, i]), torch.tensor([2 * i, 2 * i + 1]))
@@ -75,8 +74,35 @@ def test_device_batches_hand_over_every_batch_in_order_and_raise_the_loaders_err
     seen = []
     with pytest.raises(OSError, match="disk gone"):
         for batch in DeviceBatches(failing(), lambda x: x, torch.device("cpu")):
-            seen.append(batch)
+            seen.append(batch)  # noqa: PERF402 - the batches seen before the error
     assert len(seen) == 1
     for _ in DeviceBatches(batches * 100, lambda x: x, torch.device("cpu"), depth=1):
         break
     assert not [t for t in threading.enumerate() if t.name == "xbn-device-batches"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_batch_stage_on_cuda_matches_the_cpu_and_device_batches_hand_over_on_a_side_stream():
+    """On a GPU: the same draws give the same images as on the CPU up to the kernels' rounding of uint8
+    results (one grey level, 1/255 / std after normalisation, on a few pixels), and `DeviceBatches` delivers
+    them on the training stream."""
+    from xbn.data.tensor_transforms import PARAMS, TensorAugment
+    from xbn.training.prefetch import DeviceBatches
+
+    augment = TensorAugment(32, (0.5,) * 3, (0.5,) * 3)
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (48, 3, 40, 40), dtype=torch.uint8, generator=generator)
+    samples = [augment.sample(image) for image in images]
+    pixels = torch.stack([s[0] for s in samples])
+    params = torch.stack([s[1] for s in samples])
+    assert params.shape == (48, PARAMS)
+    cpu = augment.color_batch(pixels, params)
+    cuda = augment.color_batch(pixels.cuda(), params).cpu()
+    step = 1 / 255 / 0.5
+    assert (cuda - cpu).abs().max() <= 2 * step + 1e-6
+    assert (cuda - cpu).abs().gt(1e-6).float().mean() < 0.01
+    batches = [({"pixels": pixels[i:i + 8], "params": params[i:i + 8]}, torch.arange(8), torch.arange(8))
+               for i in range(0, 48, 8)]
+    out = list(DeviceBatches(batches, lambda b: augment.color_batch(b["pixels"].cuda(), b["params"]),
+                             torch.device("cuda")))
+    assert torch.equal(torch.cat([o[0] for o in out]).cpu(), cuda) and out[0][1].is_cuda
