@@ -54,7 +54,8 @@ ERASE_ASPECT = (0.3, 1 / 0.3)
 def to_float(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """uint8 `(..., 3, H, W)` -> normalised float32, as `to_tensor` then `Normalize` compute it (x / 255, then
     (x - mean) / std), so equal uint8 pixels give bit-identical floats."""
-    return images.float().div(255).sub_(mean.view(3, 1, 1)).div_(std.view(3, 1, 1))
+    # in place after the conversion: the same values as out of place, one buffer instead of two (half the time)
+    return images.float().div_(255).sub_(mean.view(3, 1, 1)).div_(std.view(3, 1, 1))
 
 
 def erase_box(height: int, width: int, probability: float) -> tuple[int, int, int, int] | None:
