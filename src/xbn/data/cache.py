@@ -96,7 +96,8 @@ def content_key(images: ImageDataset, image_size: int, data_md5: str | None) -> 
         except OSError:
             stat = []  # unreadable now: stored as missing; it keys as such
         rows.append([path, list(box) if box is not None else None, *stat])
-    doc = {"format": FORMAT, "rule": RULE, "image_size": image_size, "shorter_side": shorter_side(image_size),
+    # the Resize itself too (size, interpolation, antialias): another timm resizing otherwise is another cache
+    doc = {"format": FORMAT, "rule": RULE, "image_size": image_size, "resize": repr(stored_resize(image_size)),
            "data_md5": data_md5, "rows": rows}
     key = hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
     return key, "dvc md5" if data_md5 else "file sizes and mtimes (data not tracked by DVC)"
