@@ -10,8 +10,8 @@ to its box), resized exactly as the evaluation transform resizes (`build_transfo
   image downsamples (crops of area 77% or more at 224 px), smaller crops upsample from the cached pixels; the
   originals of CUB/Cars/SOP are 300 to 500 px, so those crops are a little softer than from the original, a
   difference `xbn.data.tensor_transforms` documents with the others;
-- it bounds the cache: ~190 KB per image at 224 px (256 x 341 x 3), so CUB's 5,864 training images take 1.1 GB,
-  SOP's 59,551 about 11 GB (over `auto`'s budget, see below).
+- it bounds the cache: 200 to 260 KB per image at 224 px (256 x 256 to 256 x 341, x 3), so CUB's 5,864 training
+  images take ~1.5 GB, SOP's 59,551 ~12 to 15 GB (over `auto`'s budget, see below).
 
 The file (`<cache dir>/decoded-<key>.xbnc`): an 8-byte magic padded to 64 bytes, the rows' pixels one after
 another, the index (JSON: format, key, rule, and per row its offset, height and width, or null for an image that
@@ -22,10 +22,11 @@ one copy for all of them).
 
 The key is the content, never a path: the data's DVC md5 (`reports/data.json`, when it describes this manifest
 and data.root) or, for data DVC does not track, every file's size and modification time; in both cases the
-rows (paths relative to data.root, boxes) with their file sizes, the image size, the resize rule's version and
-the file format's. A changed image changes the md5 (or its size/mtime): a new cache file. A renamed or moved
-data folder keeps its key (no path in it) as long as its files keep their times (`mv` does; a copy gets new
-mtimes, so an untracked copy builds its own cache; a DVC-tracked one does not).
+rows (paths relative to data.root, boxes) with their file sizes, the image size and the eval Resize, the resize
+rule's version and the file format's. A changed image changes the md5 (or its size/mtime): a new cache file. A
+renamed or moved data folder keeps its key (no path in it) as long as its files keep their times (`mv` does; a
+copy gets new mtimes, so an untracked copy builds its own cache; a DVC-tracked one gets the md5 key back once its
+snapshot, `reports/data.json`, names the new folder).
 
 `data.cache`: true builds and uses it; false reads the images with PIL (`ImageDataset`, the reference);
 auto uses it when the decoded set is at most `data.cache_max_gb` (an existing cache file for the key is used
