@@ -183,7 +183,7 @@ def test_a_changed_image_builds_a_new_cache_and_a_renamed_folder_does_not(folder
     data, images, changed = cached(moved, frame, 32)
     assert changed["reason"] == "built" and changed["key"] != first["key"]
     assert torch.equal(data[1][0], images[1][0])  # the new pixels, not the old ones
-    assert len(list(Path(os.environ["XBN_CACHE_DIR"]).glob("decoded-*.xbnc"))) == 2
+    assert len(list((Path(os.environ["XBN_CACHE_DIR"]) / "decoded").glob("decoded-*.xbnc"))) == 2
     assert content_key(images, 64, None)[0] != changed["key"]  # the image size is in the key
 
 
@@ -217,13 +217,13 @@ def test_a_build_killed_midway_leaves_no_cache_and_the_next_run_builds_it(folder
     killed = subprocess.run([sys.executable, "-c", BUILD, str(root), str(tmp_path / "rows.csv")], env=env,
                             capture_output=True, text=True, timeout=120, check=False)
     assert killed.returncode == -9, killed.stderr
-    folder_ = Path(os.environ["XBN_CACHE_DIR"])
+    folder_ = Path(os.environ["XBN_CACHE_DIR"]) / "decoded"
     assert not list(folder_.glob("decoded-*.xbnc"))
     assert [p.name for p in folder_.iterdir() if p.name.endswith(".tmp")]  # the half-written temp file
     images = ImageDataset(frame, root, transform=build_transform(32, False, MEAN, STD))
     record = prepare(images, 32, True, 4.0, None)
     assert record["reason"] == "built" and read_index(record["path"])["rows"] == 180
-    assert sorted(p.name for p in folder_.iterdir()) == [".gitignore", Path(record["path"]).name]  # temp removed
+    assert sorted(p.name for p in folder_.iterdir()) == [Path(record["path"]).name]  # the temp file removed
     data = CachedImageDataset(DecodedImages(record["path"]), images, 32, MEAN, STD, mode="eval")
     assert torch.equal(data[179][0], images[179][0])
 
@@ -233,7 +233,7 @@ def test_a_failed_build_raises_and_leaves_nothing(folder, monkeypatch):
     monkeypatch.setenv("XBN_FAULT", "cache.after_rows:raise")
     with pytest.raises(RuntimeError, match="cache.after_rows"):
         cached(root, frame, 32)
-    assert [p.name for p in Path(os.environ["XBN_CACHE_DIR"]).iterdir()] == [".gitignore"]
+    assert not list((Path(os.environ["XBN_CACHE_DIR"]) / "decoded").iterdir())
 
 
 def test_auto_reads_with_pil_over_the_budget_and_unreadable_rows_are_skipped(folder, caplog):

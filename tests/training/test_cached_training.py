@@ -41,7 +41,7 @@ def test_a_cached_run_is_the_same_with_0_or_2_workers_and_with_the_batch_stage_o
     for other in (second, third):
         for (name, a), b in zip(first.model.state_dict().items(), other.model.state_dict().values()):
             assert torch.equal(a, b), name
-    assert len(list(Path(os.environ["XBN_CACHE_DIR"]).glob("decoded-*.xbnc"))) == 1
+    assert len(list((Path(os.environ["XBN_CACHE_DIR"]) / "decoded").glob("decoded-*.xbnc"))) == 1
 
 
 def test_cache_false_reads_with_pil(tiny_params, tmp_path, monkeypatch):

@@ -55,13 +55,12 @@ from xbn.data.dataset import ImageDataset, collate_skipping
 from xbn.data.errors import DatasetError
 from xbn.data.tensor_transforms import TensorAugment, TensorEval
 from xbn.data.transforms import build_transform, eval_geometry
+from xbn.utils.cache import cache_root
 from xbn.utils.faults import fault_point
 from xbn.utils.io import atomic_path
 
 log = logging.getLogger(__name__)
 
-CACHE_DIR_ENV = "XBN_CACHE_DIR"
-DEFAULT_CACHE_DIR = ".xbn-cache"  # in the project root; it holds a .gitignore of `*`, so git ignores it anywhere
 FORMAT = "xbn-decode-cache/1"
 RULE = "eval-resize/1"  # the resize rule's version: bump it when what is stored changes
 MAGIC = b"XBNDEC01"
@@ -72,8 +71,8 @@ CHUNK = 64  # rows decoded at a time (bounds the build's memory)
 
 
 def cache_dir() -> Path:
-    """`$XBN_CACHE_DIR`, else `.xbn-cache/` in the working directory (the project root for every stage)."""
-    return Path(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR)
+    """The decoded sets' folder: `decoded/` in xbn's cache (`xbn.utils.cache`)."""
+    return cache_root() / "decoded"
 
 
 def stored_resize(image_size: int):
@@ -139,9 +138,6 @@ def build(images: ImageDataset, image_size: int, path: str | Path, key: str, thr
     releases the GIL while it decodes and resizes)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    ignore = path.parent / ".gitignore"
-    if not ignore.exists():  # the folder ignores itself in any project (as .pytest_cache does)
-        ignore.write_text("# the decode cache of xbn's training images (data.cache): rebuilt when missing\n*\n")
     resize = stored_resize(image_size)
     started = time.perf_counter()
     offsets: list[int | None] = []

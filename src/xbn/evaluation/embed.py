@@ -86,7 +86,7 @@ class ProtocolEmbeddings(NamedTuple):
 
 
 def embed_protocol(model: torch.nn.Module, manifest: pd.DataFrame, root: str | Path, split: str, *,
-                   image_size: int, mean, std, batch_size: int, num_workers: int, device: torch.device,
+                   image_size: int, mean, std, batch_size: int, num_workers: int | str, device: torch.device,
                    mode: InferenceMode = FLOAT32) -> ProtocolEmbeddings:
     """Embed the queries and references of a split of the manifest (see `retrieval_protocol`)."""
     codes = dict(zip(manifest["label"], encode_labels(manifest["label"])))
@@ -117,7 +117,7 @@ def embed_protocol(model: torch.nn.Module, manifest: pd.DataFrame, root: str | P
 
 
 def evaluate_split(model: torch.nn.Module, manifest: pd.DataFrame, root: str | Path, split: str, *,
-                   image_size: int, mean, std, ks, batch_size: int, num_workers: int, device: torch.device,
+                   image_size: int, mean, std, ks, batch_size: int, num_workers: int | str, device: torch.device,
                    mode: InferenceMode = FLOAT32, query_chunk: int = 4096, nmi: bool = True,
                    return_embeddings: bool = False):
     """Retrieval metrics of `model` on a split of the manifest (see `retrieval_protocol`)."""
@@ -135,7 +135,7 @@ def evaluate_split(model: torch.nn.Module, manifest: pd.DataFrame, root: str | P
 
 
 def embed_split(model: torch.nn.Module, manifest: pd.DataFrame, root: str | Path, split: str, *, image_size: int,
-                mean, std, batch_size: int, num_workers: int, device: torch.device,
+                mean, std, batch_size: int, num_workers: int | str, device: torch.device,
                 mode: InferenceMode = FLOAT32) -> tuple[np.ndarray, np.ndarray]:
     """Embeddings and integer labels of one split's rows, in manifest order (e.g. `train` for the
     embedding-space metrics of `embedding_space.py`)."""

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xbn.utils.cache import cache_root
+
 log = logging.getLogger(__name__)
 
 ENGINES = ("auto", "torch", "onnxruntime")
@@ -47,7 +49,6 @@ PARITY_COSINE = 0.9999  # every row of the first batch, ONNX Runtime against tor
 ROUNDS = 2  # timed rounds per engine on the first batch, after one untimed round (as the bf16 probe)
 QUIET_S = 0.02  # a pause after each engine's pass in the race, so its idle threads are asleep when the other runs
 PIXEL_TOLERANCE = 1e-2  # how far from an integer a denormalised tensor's value may be and still be a pixel
-CACHE_ENV = "XBN_CACHE_DIR"  # where the exported graphs are cached (`cache_dir`)
 # "0": auto keeps torch without exporting or timing anything (the test suite sets it, as it sets XBN_CPU_BF16=0:
 # runs compared across processes must not differ by a race); "1": auto takes ONNX Runtime without the race.
 FORCE_ENV = "XBN_ONNXRUNTIME"
@@ -67,10 +68,8 @@ def forced_onnxruntime() -> bool | None:
 
 
 def cache_dir() -> Path:
-    """`$XBN_CACHE_DIR`, else `$XDG_CACHE_HOME/xbn`, else `~/.cache/xbn`; graphs go under `onnx/`."""
-    if root := os.environ.get(CACHE_ENV, "").strip():
-        return Path(root).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "xbn"
+    """The graphs' folder: `onnx/` in xbn's cache (`xbn.utils.cache`)."""
+    return cache_root() / "onnx"
 
 
 def usable_cores() -> int:
@@ -273,7 +272,7 @@ def _versions() -> str:
 
 def cached_graph_path(model_sha256: str, image_size: int) -> Path:
     """Where the graph of the checkpoint with this sha256 at this size is cached (see the module docstring)."""
-    return cache_dir() / "onnx" / f"{model_sha256[:24]}-{int(image_size)}px-{_versions()}.onnx"
+    return cache_dir() / f"{model_sha256[:24]}-{int(image_size)}px-{_versions()}.onnx"
 
 
 def _sidecar_ok(path: Path) -> bool:

@@ -157,7 +157,7 @@ class ServedModel:
         return x.sub_(mean).div_(torch.tensor(self.data_config["std"], dtype=torch.float32).view(1, 3, 1, 1))
 
     def embed_frame(
-        self, frame: pd.DataFrame, root: str | Path, batch_size: int = 64, num_workers: int = 0
+        self, frame: pd.DataFrame, root: str | Path, batch_size: int = 64, num_workers: int | str = 0
     ) -> EmbeddedRows:
         """Embeddings of the manifest-format rows of `frame` (paths relative to `root`); unreadable images are
         left out and named (`ImageDataset` logs each with its error)."""

@@ -53,7 +53,7 @@ def embed_to_parquet(
     root: str | Path | None = None,
     chunk_size: int = 1024,
     batch_size: int = 64,
-    num_workers: int = 0,
+    num_workers: int | str = 0,
     progress: bool = True,
     on_chunk: Callable[[int, int], None] | None = None,
 ) -> EmbedReport:
@@ -74,7 +74,7 @@ def embed_rows_to_parquet(
     *,
     chunk_size: int = 1024,
     batch_size: int = 64,
-    num_workers: int = 0,
+    num_workers: int | str = 0,
     progress: bool = True,
     on_chunk: Callable[[int, int], None] | None = None,
 ) -> EmbedReport:

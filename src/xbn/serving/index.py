@@ -471,7 +471,7 @@ def build_catalogue(
     root: str | Path,
     cfg: IndexConfig,
     queries: Any = None,
-    num_workers: int = 0,
+    num_workers: int | str = 0,
 ) -> CatalogueIndex:
     """Embed the catalogue rows `frame` (path relative to `root`, label) with `model` and index them;
     unreadable images are left out (logged by name) and recorded in `meta["skipped"]`."""
@@ -488,7 +488,7 @@ def append_catalogue(
     frame: pd.DataFrame,
     root: str | Path,
     batch_size: int = 64,
-    num_workers: int = 0,
+    num_workers: int | str = 0,
 ) -> int:
     """Add the rows of `frame` not yet in the catalogue, embedding only those; returns how many were added."""
     catalogue.check_model(model.sha256)
@@ -506,7 +506,7 @@ def index_source(
     root: str | Path | None = None,
     append: bool = False,
     queries: Any = None,
-    num_workers: int = 0,
+    num_workers: int | str = 0,
 ) -> CatalogueIndex:
     """What `xbn index [--append]` does: embed `cfg.source` with `model`, build (or, with `append`, extend
     the index at `cfg.output` without re-embedding what it holds) and save it to `cfg.output`."""

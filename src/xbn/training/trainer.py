@@ -638,6 +638,7 @@ class Trainer:
         """`data.augment_on: device`: the batch stage of the augmentation (RandAugment, normalisation, erasing) of
         a batch of cached crops (uint8, with each sample's draws) on the training device, as the loader's workers
         would have run it."""
+        assert self.device_augment is not None, "augment_batch runs only with data.augment_on: device"
         pixels = batch["pixels"].to(self.device, non_blocking=True)
         return self.device_augment.color_batch(pixels, batch["params"])
 
