@@ -24,7 +24,7 @@ alternate which goes first:
          before the rounds, its time reported apart), the batch stage of the augmentation in the workers'
          collate, `data.num_workers: auto` (unless `--set` gives a number)
 Target: epoch wall time cache / pil <= 0.8, met when the interquartile range of the rounds' ratios is at or
-below it (`benchmarks.verdicts`). The cache file goes to a temporary folder (XBN_CACHE_DIR), not .xbn-cache/.
+below it (`benchmarks.verdicts`). The cache file goes to a temporary folder (XBN_CACHE_DIR), not the user's cache.
 """
 
 from __future__ import annotations

@@ -517,7 +517,7 @@ def bench_onnx(backbone: str, image_size: int, rounds: tuple[int, int], seed: in
     from xbn.evaluation.engine import CACHE_ENV, FORCE_ENV
     from xbn.models import build_embedder
     from xbn.serving.model import served
-    from xbn.serving.onnx_export import INPUT, OUTPUT, export_onnx
+    from xbn.evaluation.onnx_export import INPUT, OUTPUT, export_onnx
 
     torch.manual_seed(seed)
     model, data_config = build_embedder(ModelConfig(backbone=backbone, pretrained="none"))

@@ -140,9 +140,10 @@ def case_postgres_restarted_mid_flow_while_xbn_retrain_is_refused(loop: Loop) ->
     state = run_after(loop, "xbn retrain beside a run; pg_ctl restart -m fast mid-flow", began, faulted, sent,
                       pg_down_s=round(down, 1), refused=refused[:160])
     assert sorted(state["versions"]) == [1, 2, 3]
-    # The refused `xbn retrain` is a flow run that failed (its own hook says so), then the run's own verdict.
+    # The refused `xbn retrain` is a flow run that failed on the run lock: its own hook says it was refused (not
+    # that the pipeline failed), then the run's own verdict.
     titles = loop.messages_since(sent)
-    assert len(titles) == 2 and titles[0].startswith("xbn retrain FAILED") and titles[1].startswith("xbn: v3 ")
+    assert len(titles) == 2 and titles[0].startswith("xbn retrain REFUSED") and titles[1].startswith("xbn: v3 ")
 
 
 def case_mlflow_down_30_s_mid_register_and_a_lost_create_response(loop: Loop) -> None:

@@ -20,7 +20,7 @@ from tests_support import ROOT
 import xbn.evaluation.engine as engine_module
 from xbn.config import ConfigError, load_params
 from xbn.evaluation.engine import PARITY_COSINE, OnnxEngine, cached_graph_path, engine_for
-from xbn.serving import onnx_export
+from xbn.evaluation import onnx_export
 from xbn.serving.model import load_served_model, open_image
 from xbn.utils.integrity import sidecar_path
 
@@ -178,7 +178,7 @@ def test_bad_engine_settings_are_config_errors_naming_the_key(tiny_params):
 
 def test_export_checks_parity_against_torch_whatever_engine_the_model_runs(model_path, image_root, tmp_path,
                                                                           monkeypatch):
-    from xbn.serving.onnx_export import check_parity, export_onnx
+    from xbn.evaluation.onnx_export import check_parity, export_onnx
 
     model = load_served_model(model_path, IMAGE_SIZE, engine="onnxruntime")
     graph = export_onnx(model, tmp_path / "model.onnx")

@@ -8,7 +8,7 @@ import pytest
 
 import json
 
-from xbn.serving.onnx_export import (ParityError, check_parity, export_onnx, onnx_embed, onnx_metadata,
+from xbn.evaluation.onnx_export import (ParityError, check_parity, export_onnx, onnx_embed, onnx_metadata,
                                      rule_path)
 
 

@@ -157,7 +157,7 @@ def pixels_by_rule(path: Path, rule: dict) -> np.ndarray:
 def test_the_onnx_file_and_its_json_embed_as_the_pyfunc(params, logged, tmp_path):
     import json
 
-    from xbn.serving.onnx_export import export_onnx, onnx_embed, rule_path
+    from xbn.evaluation.onnx_export import export_onnx, onnx_embed, rule_path
 
     files = write_images(tmp_path / "images")
     served = load_served_model("models/model.pt", params.data.image_size)
@@ -174,7 +174,7 @@ def test_the_onnx_file_and_its_json_embed_as_the_pyfunc(params, logged, tmp_path
 
     # The same graph as an MLflow onnx model (what log_onnx logs in the version's run): loadable without xbn's
     # code by mlflow.onnx and by the onnx pyfunc (onnxruntime), with the uint8 signature.
-    from xbn.serving.onnx_export import INPUT, save_mlflow_onnx
+    from xbn.evaluation.onnx_export import INPUT, save_mlflow_onnx
 
     folder = save_mlflow_onnx(onnx_file, tmp_path / "mlflow_onnx")
     assert mlflow.onnx.load_model(str(folder)).graph.input[0].name == INPUT

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
 
 import pytest
 import sqlalchemy as sa
@@ -59,9 +60,11 @@ def test_a_second_run_on_the_same_model_refuses_to_start_and_says_why(params, tm
 
 @pytest.fixture
 def registry(params) -> Registry:
-    """A registry with version 1 whose locks live on the real PostgreSQL (`tracking.lock_uri`)."""
+    """A registry with version 1 whose locks live on the real PostgreSQL (`tracking.lock_uri`), under a model name
+    of its own: the database is shared with every test running beside this one, and the locks are named by model."""
     require_postgres()
     params.tracking.lock_uri = PG
+    params.registry.model_name = f"xbn-embedder-{uuid.uuid4().hex[:8]}"
     run_pipeline(params, seed=0)
     return Registry(params)
 
@@ -73,7 +76,7 @@ def test_a_registry_lock_lost_with_its_connection_stops_the_holder_before_it_wri
     with registry.lock() as held:
         registry.set_tags(1, {"note": "under the lock"})
         _terminate(held)
-        with advisory_lock(PG, "xbn-registry:xbn-embedder", 0):  # another promotion, in between
+        with advisory_lock(PG, f"xbn-registry:{registry.name}", 0):  # another promotion, in between
             pass
         with pytest.raises(LockLost, match="another process held it meanwhile"):
             registry.set_tags(1, {"note": "unguarded"})
@@ -95,12 +98,12 @@ def test_a_run_lock_lost_with_its_connection_is_taken_back_when_nobody_held_it_m
     from xbn.tracking.locks import run_lock
     from xbn.utils.locks import LockTimeout, advisory_lock
 
-    with run_lock(params.tracking.uri, "xbn-embedder", "first", 0, PG) as held:
+    with run_lock(params.tracking.uri, registry.name, "first", 0, PG) as held:
         _terminate(held)
         registry.set_tags(1, {"note": "after the restart"})  # checks the run lock first: taken back
         assert held.regained == 1 and registry.get(1).tags["note"] == "after the restart"
         with pytest.raises(LockTimeout):  # another process's run still cannot start
-            with advisory_lock(PG, "xbn-run:xbn-embedder", 0):
+            with advisory_lock(PG, f"xbn-run:{registry.name}", 0):
                 pass
 
 
@@ -110,9 +113,9 @@ def test_a_run_lock_held_by_another_run_meanwhile_is_lost_for_good(params, regis
     from xbn.tracking.locks import run_lock
     from xbn.utils.locks import advisory_lock
 
-    with run_lock(params.tracking.uri, "xbn-embedder", "first", 0, PG) as held:
+    with run_lock(params.tracking.uri, registry.name, "first", 0, PG) as held:
         _terminate(held)
-        with advisory_lock(PG, "xbn-run:xbn-embedder", 0):  # another run, in between
+        with advisory_lock(PG, f"xbn-run:{registry.name}", 0):  # another run, in between
             pass
         with pytest.raises(LockLost, match="another process held it meanwhile"):
             registry.set_tags(1, {"note": "unguarded"})

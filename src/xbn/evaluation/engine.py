@@ -8,7 +8,7 @@ interleaved, best kept, as the bf16 probe times its candidates) and keeps ONNX R
 `MARGIN` and each of the batch's embeddings keeps cosine >= `PARITY_COSINE` to torch's float32 one; otherwise
 torch, saying why. On CUDA auto is torch: the onnxruntime installed here is the CPU build.
 
-The graph is the one `xbn export --format onnx` writes (`xbn.serving.onnx_export`: uint8 NHWC pixels in, the
+The graph is the one `xbn export --format onnx` writes (`xbn.evaluation.onnx_export`: uint8 NHWC pixels in, the
 normalisation inside): a registered version's own `onnx/` artifact when one is served (sha256-checked against
 the version's `onnx_sha256` tag by `Registry.fetch_onnx`), otherwise exported once and kept in a cache
 (`cache_dir()`), keyed by the checkpoint's sha256, the image size, the opset and the onnxruntime and torch
@@ -133,7 +133,7 @@ class OnnxEngine:
     Shared by every thread that embeds with the model: the decision is taken once, under a lock."""
 
     def __init__(self, path: str | Path, ort_session: Any, mean, std, choice: EngineChoice) -> None:
-        from xbn.serving.onnx_export import INPUT, OUTPUT
+        from xbn.evaluation.onnx_export import INPUT, OUTPUT
 
         self.path = Path(path)
         self.session = ort_session
@@ -265,7 +265,7 @@ def engined(network: nn.Module, engine: OnnxEngine | None) -> nn.Module:
 def _versions() -> str:
     import onnxruntime as ort
 
-    from xbn.serving.onnx_export import OPSET
+    from xbn.evaluation.onnx_export import OPSET
 
     return f"opset{OPSET}-ort{ort.__version__}-torch{torch.__version__.split('+')[0]}"
 
@@ -289,7 +289,7 @@ def _sidecar_ok(path: Path) -> bool:
 def cached_graph(served, threads: int | None = None) -> tuple[Path, Any]:
     """(the cached graph of `served` (a `ServedModel`), a session over it), exported first when it is not
     cached or the cached file fails its sidecar or does not load."""
-    from xbn.serving.onnx_export import export_onnx
+    from xbn.evaluation.onnx_export import export_onnx
     from xbn.utils.integrity import write_sidecar
 
     path = cached_graph_path(served.sha256 or _weights_digest(served.model), served.image_size)
@@ -315,7 +315,7 @@ def check_export(served, path: Path) -> None:
     """The exported graph against torch float32 on two smooth synthetic images: a graph that disagrees is
     deleted, never cached."""
     from xbn.evaluation.inference import probe_images
-    from xbn.serving.onnx_export import ParityError
+    from xbn.evaluation.onnx_export import ParityError
 
     images = probe_images(2, served.image_size, torch.device("cpu"))
     mean = torch.tensor(served.data_config["mean"]).view(1, 3, 1, 1)
@@ -347,7 +347,7 @@ def _weights_digest(model: nn.Module) -> str:
 def registered_graph(path: str | Path, served, threads: int | None = None):
     """A session over a registered version's graph (already sha256-checked against its tag), or None (logged)
     when it is not this model's graph at this size or does not load: the cache then serves."""
-    from xbn.serving.onnx_export import onnx_metadata
+    from xbn.evaluation.onnx_export import onnx_metadata
 
     try:
         meta = onnx_metadata(path)

@@ -128,7 +128,7 @@ class ServedModel:
 
     def pixels(self, image: Image.Image) -> np.ndarray:
         """The uint8 [S, S, 3] pixels `transform` feeds its to-tensor and normalisation steps: `image` resized
-        and centre-cropped, what the ONNX graph takes (`xbn.serving.onnx_export`)."""
+        and centre-cropped, what the ONNX graph takes (`xbn.evaluation.onnx_export`)."""
         return np.asarray(eval_geometry(self.transform)(image), dtype=np.uint8)
 
     def embed_images(self, images: Sequence[Image.Image], batch_size: int = 64) -> np.ndarray:

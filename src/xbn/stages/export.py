@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from xbn.config import ConfigError, Params
-from xbn.serving.onnx_export import PARITY_ATOL, check_parity, export_onnx, rule_path, save_mlflow_onnx
+from xbn.evaluation.onnx_export import PARITY_ATOL, check_parity, export_onnx, rule_path, save_mlflow_onnx
 from xbn.serving.sources import read_source
 from xbn.stages.index import local_model, registered_version
 

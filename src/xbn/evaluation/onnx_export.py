@@ -28,7 +28,7 @@ import torch
 from xbn.data.images import BACKGROUND
 from xbn.data.transforms import eval_resize_rule
 from xbn.evaluation.inference import FLOAT32
-from xbn.serving.model import ServedModel, open_image
+from xbn.evaluation.served import ServedModel, open_image
 from xbn.utils.io import atomic_path, file_digest, write_json
 
 log = logging.getLogger(__name__)
