@@ -723,7 +723,7 @@ def main(argv: list[str] | None = None) -> Path:
                                         "each row's arms re-run together at one commit on one machine)"))
         parts.append("\n".join(["### The shipped default (issue 45)", "", *batch_loss_decision(data, DEFAULT_BATCH),
                                 ""]))
-    for name in ("serving", "serving_quick", "serving_hostile"):  # after methods: section 8
+    for name in ("serving", "serving_onnx", "serving_quick", "serving_hostile"):  # after methods: section 8
         if data := _load(name):
             add(*serving_section(data), data)
     from benchmarks.regimes import REGIMES
