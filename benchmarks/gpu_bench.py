@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  "train.amp=true", "train.channels_last=auto", f"train.batch_size={args.batch}"]
     pipelines = {"cache": ["data.cache=true", "data.augment_on=device"], "pil": ["data.cache=false"]}
     with tempfile.TemporaryDirectory(prefix="xbn_gpu_") as tmp:
-        from xbn.data.cache import CACHE_DIR_ENV
+        from xbn.utils.cache import CACHE_ENV as CACHE_DIR_ENV
 
         os.environ[CACHE_DIR_ENV] = str(Path(tmp) / "cache")
         trainers = {}

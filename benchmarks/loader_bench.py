@@ -124,7 +124,7 @@ def time_train(trainer, steps: int, epoch: int) -> float:
 def time_epochs(work: Path, overrides: list[str], rounds: int) -> dict[str, Any]:
     """One training epoch of the PIL path and of the cached path per round, alternating which goes first; the
     rounds' seconds, each round's ratio cache / pil, and their interval and verdict against `EPOCH_TARGET`."""
-    from xbn.data.cache import CACHE_DIR_ENV
+    from xbn.utils.cache import CACHE_ENV as CACHE_DIR_ENV
 
     os.environ[CACHE_DIR_ENV] = str(work / "cache")
     trainers, settings = {}, {}

@@ -514,7 +514,8 @@ def bench_onnx(backbone: str, image_size: int, rounds: tuple[int, int], seed: in
     import torch
 
     from xbn.config import ModelConfig
-    from xbn.evaluation.engine import CACHE_ENV, FORCE_ENV
+    from xbn.evaluation.engine import FORCE_ENV
+    from xbn.utils.cache import CACHE_ENV
     from xbn.models import build_embedder
     from xbn.serving.model import served
     from xbn.evaluation.onnx_export import INPUT, OUTPUT, export_onnx
