@@ -5,7 +5,7 @@
 A memory step's work that depends on the memory is the map (XBN only) and the loss's similarity of the batch
 to every row, forward and backward through the batch (the rows are detached). The cosine similarity normalises
 each row, so a map cannot just be folded into the query: the norm of a mapped row a * r + b is
-sqrt(r^2 . a^2 + 2 r . ab + |b|^2), which needs the squares of every row. Four ways, timed on the same batch
+sqrt(r^2 . a^2 + 2 r . ab + |b|^2), which needs the squares of every row. Six ways, timed on the same batch
 and rows, interleaved round by round (the first variant rotating), process CPU time, one torch thread:
 
   xbm          pytorch-metric-learning's `CosineSimilarity` of the batch to the stored rows (today's XBM)

@@ -770,7 +770,8 @@ def main(argv: list[str] | None = None) -> Path:
     path = DOCS / "benchmarks.md"
     write_text(path, "\n".join([*intro, targets_section(targets), *parts]).rstrip() + "\n")
     for t in targets:
-        measured = _iqr(t) if "median" in t else t.get("value", "-")
+        measured = (f"{t['median']} [{t['low']}, {t['high']}]" if "low" in t else _iqr(t) if "median" in t
+                    else t.get("value", "-"))
         what = t.get("what") or f"{t['ratio']} M={t['memory_size']} B={t['batch']} {t['workload']}"
         print(f"{t['verdict']:>14}  {t['section']}: {what}: {measured}  ({t['file']})")
     print(f"wrote {path}")
