@@ -58,8 +58,9 @@ def _stage_register(params: Params, args) -> dict:
     report = register(params)
     log.info("%s v%s %s: %s", report["model_name"], report["version"], report["decision"], report["reason"])
     if report["registration"] == "awaiting_index":
-        log.info("%s v%s becomes champion once its index is attached (`xbn index`); until then v%s serves",
-                 report["model_name"], report["version"], report["champion_version"] or "-")
+        serving = f"v{report['champion_version']} serves" if report["champion_version"] else "no version serves"
+        log.info("%s v%s becomes champion once its index is attached (`xbn index`); until then %s",
+                 report["model_name"], report["version"], serving)
     return report
 
 
