@@ -111,8 +111,10 @@ def test_mlflow_models_serve_embeds_base64_images_as_xbn_embed(project, tmp_path
               f"print(json.dumps({{'xbn': xbn.__file__, 'embeddings': [list(map(float, e)) for e in rows['embedding']]}}))")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    # The store it checks the version against is the one a serving host names in its environment.
     done = subprocess.run([str(python), "-c", script], cwd=elsewhere, capture_output=True, text=True, timeout=300,
-                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+                          env={**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+                               "MLFLOW_TRACKING_URI": project.tracking.uri})
     assert done.returncode == 0, done.stderr[-3000:]
     loaded = json.loads(done.stdout.strip().splitlines()[-1])
     assert Path(loaded["xbn"]).is_relative_to(model / "code")  # the model's copy, not an installed xbn

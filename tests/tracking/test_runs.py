@@ -4,6 +4,7 @@ and the pyfunc model."""
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 from pathlib import Path
 
@@ -133,3 +134,22 @@ def test_logging_the_same_checkpoint_again_logs_nothing(params):
         uri = log_model(params, run)
         assert log_model(params, run) == uri
     # What the logged pyfunc does with images: tests/tracking/test_pyfunc.py.
+
+
+def test_a_second_configure_in_one_process_uses_its_own_store_and_the_users_environment_still_wins(
+        params, tmp_path, monkeypatch):
+    """mlflow.set_tracking_uri copies the URI into $MLFLOW_TRACKING_URI; `configure` must not leave it there, or the
+    next params in the process (a library caller's, the next test's) would be sent to the first one's store."""
+    from xbn.tracking import tracking_uri
+    from xbn.tracking.runs import configure
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    first, second = params.model_copy(deep=True), params.model_copy(deep=True)
+    first.tracking.uri, second.tracking.uri = (f"sqlite:///{tmp_path / n}.db" for n in ("first", "second"))
+    assert configure(first) == first.tracking.uri and mlflow.get_tracking_uri() == first.tracking.uri
+    assert "MLFLOW_TRACKING_URI" not in os.environ
+    assert tracking_uri(second) == configure(second) == second.tracking.uri
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'server'}.db")  # the user's: it wins
+    assert configure(first) == configure(second) == f"sqlite:///{tmp_path / 'server'}.db"
+    assert os.environ["MLFLOW_TRACKING_URI"] == f"sqlite:///{tmp_path / 'server'}.db"
+    mlflow.set_tracking_uri(None)

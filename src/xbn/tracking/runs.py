@@ -80,7 +80,15 @@ def configure(params: Params) -> str:
     # MLflow prints "View run <name> at: <tracking URI>/#/..." to stdout as a run ends, credentials and all (a
     # worker's stdout is a log someone keeps); xbn logs its runs itself, masked.
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    # MLflow copies the URI into $MLFLOW_TRACKING_URI, which `tracking_uri` reads as the user's choice: a second
+    # configure in the same process (another params, a library caller, the next test) would then get this store
+    # whatever its own tracking.uri said. The environment is left as the user (or the parent process) set it.
+    before = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
     mlflow.set_experiment(params.tracking.experiment)
     return uri
 
