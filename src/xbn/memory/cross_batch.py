@@ -328,8 +328,8 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         if self.exclude_self:  # the only reader of the rows' dataset indices
             if self.source_memory.device != slots.device:
                 self.source_memory = self.source_memory.to(slots.device)
-            aligned = sources is not None and len(sources) == len(slots)
-            self.source_memory[slots] = sources.to(slots.device) if sources is not None and aligned else -1
+            self.source_memory[slots] = (sources.to(slots.device)  # unknown (-1) unless aligned with the batch
+                                         if sources is not None and len(sources) == len(slots) else -1)
         if self.stored is not None and inputs is not None and len(inputs) == len(slots):
             # The slots again, on the host (reading curr_batch_idx back would make the step wait for the GPU).
             host_slots = torch.arange(start, start + len(slots)) % self.memory_size

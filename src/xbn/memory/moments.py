@@ -15,18 +15,20 @@ memory holds; its uncertainty is p0), so with r = 0 (gain 1) AXBN reduces exactl
 
 from __future__ import annotations
 
+import abc
 import math
 
 import torch
 from torch import nn
 
 
-class MomentEstimator(nn.Module):
+class MomentEstimator(nn.Module, abc.ABC):
     """What `CrossBatchMemory` calls: forward(memory_mean, memory_std, batch_mean, batch_std, batch_size) ->
     (target_mean, target_std), and `diagnostics()`, read when the trainer logs."""
 
+    @abc.abstractmethod
     def diagnostics(self) -> dict[str, float | torch.Tensor]:
-        raise NotImplementedError
+        """The estimator's gain (a float or a 0-d device tensor), for the trainer's log."""
 
 
 class BatchMoments(MomentEstimator):
