@@ -173,6 +173,8 @@ def test_mlflow_server():
     assert "default_permission = NO_PERMISSIONS" in settings
     assert not any(line.startswith("admin_password") for line in settings)  # MLFLOW_AUTH_ADMIN_PASSWORD
     assert "database_uri = postgresql+psycopg2://mlflow_auth@postgres:5432/mlflow_auth" in settings  # PGPASSWORD
+    # A password check is cached for at most a minute: the revocation delay infra/README.md promises.
+    assert "auth_cache_ttl_seconds = 60" in settings
     assert env["MLFLOW_AUTH_CONFIG_PATH"] == "/etc/mlflow/basic_auth.ini"
     assert "./mlflow/basic_auth.ini:/etc/mlflow/basic_auth.ini:ro" in mlflow["volumes"]
     for key in ("MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY", "PGPASSWORD"):
