@@ -70,3 +70,13 @@ def test_distances_that_do_not_use_the_l2_norm_keep_their_own():
     m = CrossBatchMemory(losses.ContrastiveLoss(distance=LpDistance(p=1)), D, SIZE,
                          miner=miners.PairMarginMiner(distance=LpDistance(p=1)))
     assert m.shared_distances == 0
+
+
+def test_the_shipped_criterion_shares_its_loss_s_and_miner_s_normalisation():
+    from pathlib import Path
+
+    from xbn.config import load_params
+    from xbn.training.criterion import build_criterion
+
+    params = load_params(Path(__file__).resolve().parents[2] / "params.yaml")
+    assert build_criterion(params, num_train_images=1000).memory.shared_distances == 2  # SupCon's, the miner's
