@@ -29,10 +29,7 @@ step therefore also times its memory update (`add_to_memory`: the enqueue and, f
 map) inside the step, and each setting records `update_ms` (their medians), `adaptation_ratio` (per round,
 XBM's step with XBM's update swapped for the method's: 1 + (update - XBM's update) / XBM's step, as median
 and IQR), `update_over_xbm_step` (the same from the medians) and the pairs the miner returns against each
-method's memory after the last step (`mined_pairs_last_batch`). Since the memory normalises its rows once per step for all its distances, an adaptive
-method fills that normalised copy inside its update (the same pass as its map), while XBM fills it inside its
-loss: `update_ms` and `adaptation_ratio` then charge an adaptive method with one normalisation pass that XBM's
-step also makes, and only the step's ratio compares like with like. `--set loss.miner=null` measures the step with
+method's memory after the last step (`mined_pairs_last_batch`). `--set loss.miner=null` measures the step with
 the same loss work for every memory (all pairs, whatever the rows hold): its ratio is the adaptation's own
 cost, cache effects included (the map leaves the rows in cache for the loss, which `adaptation_ratio` misses).
 

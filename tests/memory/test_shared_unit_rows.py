@@ -1,6 +1,6 @@
-"""The memory normalises its rows once per step for every distance of its loss and miner (`_SharedUnitRows`),
-and an adaptive memory does it in the same pass as its map. Nothing a user sees may change: the same mined
-pairs, loss, gradient and rows as pytorch-metric-learning's own per-distance `F.normalize`."""
+"""The memory normalises its rows once per step for every distance of its loss and miner (`_SharedUnitRows`).
+Nothing a user sees may change: the same mined pairs, loss, gradient and rows as pytorch-metric-learning's own
+per-distance `F.normalize`."""
 
 import pytest
 import torch

@@ -26,8 +26,8 @@ removal). What it adds, written by hand because no library has it:
   Here the valid rows are normalised once per step into a kept buffer, a cache-sized block of rows at a time,
   and every distance that normalises with the L2 norm is handed that buffer (`_SharedUnitRows`). At
   M = 65,536 x 512 on a CPU one fresh copy cost 69 ms (128 MB of new pages) against 13 ms into the kept buffer.
-  An adaptive memory fills the buffer in the same pass as its map (`_map_rows`: each block is mapped, then
-  normalised while in cache), which saved 2.4 of the 6 ms that the map cost as a pass of its own at that size.
+  (Mapping each block and normalising it in the same pass saved 2.4 of the map's 6 ms there in isolation, but
+  nothing inside a training step, so the map stays a pass of its own.)
 - No step waits for the device: counters are Python ints, the diagnostics stay 0-d device tensors until the
   trainer logs them (every `train.log_every` steps), and the finiteness of the map is decided on the device.
   A non-finite update (a NaN gain, an inf in the batch or the memory's moments: any non-finite value among
@@ -195,11 +195,10 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         self._failed_at = torch.zeros((), dtype=torch.float64)
         self._failed: torch.Tensor | None = None
         self._identity: torch.Tensor | None = None  # the map (scale 1, shift 0) a non-finite update becomes
-        # The valid rows L2-normalised (`unit_rows_for`): a kept buffer, filled at most once per forward. Its
-        # first `_unit_current` rows are current except the spans in `_unit_stale` (the batch just written).
+        # The valid rows L2-normalised (`unit_rows_for`): a kept buffer, filled at most once per forward; its
+        # first `_unit_current` rows are current (0: stale).
         self._unit_buffer: torch.Tensor | None = None
         self._unit_current = 0
-        self._unit_stale: list[tuple[int, int]] = []
         self._in_forward = False
         self.shared_distances = _share_unit_rows(self, self.loss, self.miner)
 
@@ -283,26 +282,20 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         """The stored rows L2-normalised as `F.normalize` would give them, if `reference` is the memory's valid
         rows as this forward passes them to the miner and the loss (the same storage, rows and layout);
         None otherwise. Filled once per forward into a kept buffer: PML's distances would each allocate and
-        fill their own copy. An adaptive memory fills it in the same pass as its map (`_map_rows`), and only
-        the batch's rows are left to do here."""
+        fill their own copy."""
         memory = self.embedding_memory
         n = len(reference)
         if (not self._in_forward or reference.requires_grad or reference.data_ptr() != memory.data_ptr()
                 or reference.dtype != memory.dtype or reference.device != memory.device
                 or reference.stride() != memory.stride() or n != self.num_valid):
             return None
-        buffer = self._unit_buffer_like(memory)
-        spans = self._unit_stale if self._unit_current == n else [(0, n)]
-        for begin, stop in spans:
-            _normalise_rows(memory[begin:stop], buffer[begin:stop])
-        self._unit_current, self._unit_stale = n, []
-        return buffer[:n]
-
-    def _unit_buffer_like(self, memory: torch.Tensor) -> torch.Tensor:
         buffer = self._unit_buffer
         if buffer is None or buffer.dtype != memory.dtype or buffer.device != memory.device:
             buffer = self._unit_buffer = torch.empty_like(memory)
-        return buffer
+        if self._unit_current != n:
+            _normalise_rows(reference, buffer[:n])
+            self._unit_current = n
+        return buffer[:n]
 
     def _attached_forward(self, embeddings, labels, indices_tuple):
         """PML's forward (no enqueue mask), but the loss's reference set holds the batch's live embeddings in the
@@ -365,7 +358,7 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
 
     # -- the memory update ----------------------------------------------------------------------------------
     def add_to_memory(self, embeddings, labels, batch_size):
-        self._unit_current, self._unit_stale = 0, []  # the rows change: the copy is stale (`_map_rows` refills)
+        self._unit_current = 0  # the rows change: the shared normalised copy is stale
         embeddings = embeddings.detach()
         self._move_state(embeddings.device)
         n = self.num_valid
@@ -385,11 +378,6 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
             self._count_batch_mean(batch_sums[0] / len(embeddings))
         start = int(self.queue_idx)
         super().add_to_memory(embeddings, labels, batch_size)
-        if self._unit_current:  # the map filled the normalised copy: the batch's rows are left to do
-            end = start + batch_size
-            self._unit_stale = [(start, min(end, self.memory_size))] + ([(0, end - self.memory_size)]
-                                                                        if end > self.memory_size else [])
-            self._unit_current = self.num_valid
         self._write_sources(embeddings, start)
 
     def _count_batch_mean(self, batch_mean: torch.Tensor) -> None:
@@ -469,7 +457,9 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         checked = torch.stack([batch_mean, memory_mean, batch_std, memory_std, scale, shift, target_mean,
                                target_std, *([gain] if gain is not None else [])])
         affine = self._finite_or_identity(checked, checked[4:6])
-        self._map_rows(self.valid_rows(), affine)
+        rows = self.valid_rows()
+        scale32, shift32 = affine.to(rows.dtype)
+        torch.addcmul(shift32, rows, scale32, out=rows)
 
         # The sums follow the map analytically over the rows that stay, m of them:
         # sum' = a sum + m b, sq' = a^2 sq + 2ab sum + m b^2 = a (a sq + 2b sum) + m b^2.
@@ -479,21 +469,6 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         self.row_sq_sum.mul_(a).addcmul_(b, self.row_sum, value=2).mul_(a).addcmul_(b, b, value=m)
         self.row_sum.mul_(a).add_(b, alpha=m)
         self._seen = (checked, affine)
-
-    def _map_rows(self, rows: torch.Tensor, affine: torch.Tensor) -> None:
-        """Eq. 6's map in place, one fused pass over the rows (`torch.addcmul`). Inside a forward whose distances
-        share the normalised copy, each block of rows is also normalised into it while in cache: the copy the
-        distances need costs no second read of the memory."""
-        scale, shift = affine.to(rows.dtype)
-        if not (self._in_forward and self.shared_distances):
-            torch.addcmul(shift, rows, scale, out=rows)
-            return
-        buffer = self._unit_buffer_like(self.embedding_memory)
-        block = len(rows) if rows.is_cuda else UNIT_BLOCK
-        for part, out in zip(rows.split(block), buffer[:len(rows)].split(block)):
-            torch.addcmul(shift, part, scale, out=part)
-            _normalise_rows(part, out)
-        self._unit_current = len(rows)
 
     def _finite_or_identity(self, checked: torch.Tensor, affine: torch.Tensor) -> torch.Tensor:
         """`affine` if every value in `checked` is finite, else the identity map; the first such update is
