@@ -66,6 +66,19 @@ def test_only_the_memory_s_rows_inside_its_forward_are_shared():
     torch.testing.assert_close(distance(rows[:5], rows), distance.__class__()(rows[:5], rows))
 
 
+def test_a_forward_normalises_the_rows_once_for_the_miner_and_the_loss(monkeypatch):
+    import xbn.memory.cross_batch as cross_batch
+
+    m = memory(BatchMoments(), shared=True)
+    m(*batch(0))
+    calls = []
+    normalise = cross_batch._normalise_rows
+    monkeypatch.setattr(cross_batch, "_normalise_rows",
+                        lambda rows, out: calls.append(len(rows)) or normalise(rows, out))
+    m(*batch(1))
+    assert calls == [2 * BATCH]  # the miner's call filled the copy, the loss's was handed it
+
+
 def test_distances_that_do_not_use_the_l2_norm_keep_their_own():
     m = CrossBatchMemory(losses.ContrastiveLoss(distance=LpDistance(p=1)), D, SIZE,
                          miner=miners.PairMarginMiner(distance=LpDistance(p=1)))

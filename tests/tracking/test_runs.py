@@ -4,8 +4,8 @@ and the pyfunc model."""
 from __future__ import annotations
 
 import hashlib
-import os
 import json
+import os
 from pathlib import Path
 
 import mlflow
