@@ -45,7 +45,7 @@ lint: install-dev
 	$(BIN)/mypy
 
 test: install-dev
-	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=20 tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=20 tests
 
 # `make bench BENCH_ARGS="--quick --allow-dirty"`: the smoke variants, from a tree with uncommitted changes.
 bench: install-dev

@@ -93,6 +93,9 @@ DATASETS: dict[str, dict[str, int]] = {
 }
 SCALE = {"warmup_epochs": 1, "epochs": 8, "lr_step_epochs": 3, "val_classes": 0.15}
 SCALE_METHODS = ("none", "xbm", "xbn", "axbn")  # issue 30's grid
+# A batch whose distinct images have a mean pairwise cosine at least this has collapsed (issue 52: every image
+# within the miner's 0.2 positive margin of every other is a cosine above 0.98).
+COLLAPSED_COSINE = 0.95
 DEFAULT_BATCH = 64  # params.yaml's train.batch_size: the batch the shipped default must not lose to none at
 
 
@@ -259,9 +262,20 @@ def _drift_record(metrics_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     to fresh embeddings, their cosines, the rows' age, the map's scale min/max, the batch mean's noise)."""
     import csv
 
+    from xbn.training.figures import FIGURE_COLUMNS
+
     epochs = list(csv.DictReader((metrics_dir / "train_epochs.csv").open()))
     record: dict[str, Any] = {"val_curve": [float(e["val_recall@1"]) if e.get("val_recall@1") else None
                                             for e in epochs]}
+    # Issue 52: the memory path's own figures at every logged step (train.log_every), and the first step at which
+    # the batch has collapsed (its images' mean pairwise cosine at or above COLLAPSED_COSINE).
+    steps = [r for r in csv.DictReader((metrics_dir / "train_steps.csv").open()) if r.get("memory_loss")]
+    if steps:
+        columns = ("iteration", "loss", *FIGURE_COLUMNS)
+        record["figure_columns"] = list(columns)
+        record["figure_series"] = [[round(float(r[c]), 5) if r.get(c) else None for c in columns] for r in steps]
+        record["collapse_iteration"] = next((int(r["iteration"]) for r in steps
+                                             if float(r["batch_cosine"]) >= COLLAPSED_COSINE), None)
     if "memory_drift" not in summary:
         return record
     columns = ("iteration", "stored_drift_mean", "mapped_drift_mean", "stored_cosine", "mapped_cosine",
@@ -372,6 +386,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="keep the runs already in the results file")
     parser.add_argument("--output", help="results/<output>.json (default: grid, grid_<regime>, +_quick)")
     parser.add_argument("--quick", action="store_true", help="2 methods, 1 seed, 1 epoch, glyphs only")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a params override for every arm (repeatable), after the arm's own")
+    parser.add_argument("--arm", dest="arms", action="append", nargs="+", default=[],
+                        metavar="NAME BASE [KEY=VALUE ...]",
+                        help="an arm of its own: arm BASE's overrides, then these (repeatable); runs with --methods "
+                             "or, without it, after the default arms")
 
 
 def main(argv: list[str]) -> int:
@@ -382,7 +402,15 @@ def main(argv: list[str]) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     regime = REGIMES[args.regime] if args.regime else None
-    table = regime.methods if regime else METHODS
+    table = dict(regime.methods if regime else METHODS)
+    arms: dict[str, tuple[str, list[str]]] = {}  # --arm NAME BASE KEY=VALUE...: NAME -> (BASE, its overrides)
+    for name, *rest in args.arms:
+        if not rest or rest[0] not in table or name in table:
+            parser.error(f"--arm {name}: needs a new name and a base arm (one of {', '.join(table)})")
+        if bad := [o for o in rest[1:] if "=" not in o]:
+            parser.error(f"--arm {name}: {', '.join(bad)} is not KEY=VALUE")
+        arms[name] = (rest[0], rest[1:])
+        table[name] = [*table[rest[0]], *rest[1:]]
     output = "grid" + (f"_{args.regime}" if regime else "") + ("_quick" if args.quick else "")
     if args.quick:
         quick = {**QUICK, "output": None, **({"methods": list(regime.quick_methods), "batches": regime.batches}
@@ -390,7 +418,7 @@ def main(argv: list[str]) -> int:
         for key, value in quick.items():
             setattr(args, key, value)
     args.output = args.output or output
-    args.methods = args.methods or list(table if regime else GRID_METHODS)
+    args.methods = args.methods or [*(regime.methods if regime else GRID_METHODS), *arms]
     args.batches = args.batches or (regime.batches if regime else [16, 64])
     if unknown := [m for m in args.methods if m not in table]:
         parser.error(f"--methods: unknown {', '.join(unknown)} (choose from {', '.join(table)})")
@@ -406,7 +434,8 @@ def main(argv: list[str]) -> int:
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(PACKAGES),
         "settings": {**{k: getattr(args, k) for k in ("datasets", "methods", "batches", "seeds", "workers",
-                                                     "threads", "device", "regime", "quick")},
+                                                     "threads", "device", "regime", "quick", "overrides")},
+                     "arms": {**earlier.get("arms", {}), **{n: {"base": b, "overrides": o} for n, (b, o) in arms.items()}},
                      "regime": {"about": regime.about, "methods": {m: table[m] for m in args.methods}}
                      if regime else None,
                      # --resume with other datasets keeps the earlier ones' schedules and specs
@@ -446,7 +475,9 @@ def main(argv: list[str]) -> int:
                             continue
                         run_dir = work / "runs" / f"{dataset}_{method.replace('*', 'star')}_b{batch}_s{seed}"
                         steps = info["splits"]["train"]["images"] // batch  # the sampler's epoch, about
-                        overrides = regime.overrides(method, steps, args.quick) if regime else METHODS[method]
+                        base, extra = arms.get(method, (method, []))
+                        overrides = [*(regime.overrides(base, steps, args.quick) if regime else METHODS[base]),
+                                     *extra, *args.overrides]
                         jobs.append(({"dataset": dataset, "method": method, "batch": batch, "seed": seed},
                                      run_overrides(data, overrides, batch, seed, run_dir, args.device)))
         result["plan"] = plan([key for key, _ in jobs], args.workers, result["machine"]["cpu"], args.device)

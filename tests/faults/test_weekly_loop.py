@@ -3,8 +3,8 @@ run (a named fault point, xbn/utils/faults.py: kill, or wait while the test cuts
 scheduled run go, and checks what a person on call would: the run completed; exactly one version per model
 sha256, every registration finished; the champion's index verified and a freshly started server answering
 /health and a search; aliases, decision tags and the champion history agreeing; the notifications that arrived.
-The cases build on each other's registry, so they run in order inside one test (pytest-xdist's groups do not keep
-a module's tests on one worker here, and each worker would start the whole stack again)."""
+The cases build on each other's registry, so they run in order, one test each, on one module-scoped stack
+(`make test`'s `--dist loadfile` keeps a module on one worker: tests/architecture/test_suite_grouping.py)."""
 
 from __future__ import annotations
 
@@ -236,12 +236,34 @@ def case_the_catalogue_then_no_planted_secret_anywhere(loop: Loop) -> None:
     assert not found, f"a planted secret landed in: {found}"
 
 
-def test_the_weekly_loop_survives_faults(loop):
-    only = os.environ.get("XBN_FAULT_CASES")  # to run some cases while working on them: "killed_after,planted"
-    for case in (case_killed_after_the_champion_alias_moved, case_killed_after_training, case_killed_after_create,
-                 case_postgres_restarted_mid_flow_while_xbn_retrain_is_refused,
-                 case_mlflow_down_30_s_mid_register_and_a_lost_create_response,
-                 case_cut_dvc_files_and_a_foreign_rwlock, case_the_catalogue_then_no_planted_secret_anywhere):
-        if only is None or any(part in case.__name__ for part in only.split(",")):
-            case(loop)
-    print("timeline:", json.dumps(loop.timeline, indent=1))
+# In the order they run: each case builds on the registry the ones before it left (one stack per module; make
+# test's --dist loadfile keeps the module on one worker). A case that fails does not stop the next.
+CASES = (case_killed_after_the_champion_alias_moved, case_killed_after_training, case_killed_after_create,
+         case_postgres_restarted_mid_flow_while_xbn_retrain_is_refused,
+         case_mlflow_down_30_s_mid_register_and_a_lost_create_response,
+         case_cut_dvc_files_and_a_foreign_rwlock, case_the_catalogue_then_no_planted_secret_anywhere)
+
+
+def selected_cases(only: str | None) -> list:
+    """`$XBN_FAULT_CASES` ("killed_after,planted": a part of a case's name each), to run some cases while working
+    on them; a part that names no case is an error, so a typo cannot pass by running nothing."""
+    if only is None:
+        return list(CASES)
+    parts = [p for p in only.split(",") if p]
+    if unknown := [p for p in parts if not any(p in case.__name__ for case in CASES)] or not parts:
+        raise ValueError(f"XBN_FAULT_CASES={only!r}: {', '.join(unknown) or 'nothing'} names no fault case "
+                         f"(cases: {', '.join(c.__name__.removeprefix('case_') for c in CASES)})")
+    return [case for case in CASES if any(p in case.__name__ for p in parts)]
+
+
+@pytest.mark.parametrize("case", selected_cases(os.environ.get("XBN_FAULT_CASES")),
+                         ids=lambda case: case.__name__.removeprefix("case_"))
+def test_the_weekly_loop_survives(loop, case):
+    case(loop)
+    print("timeline:", json.dumps(loop.timeline[-1:], indent=1))
+
+
+def test_an_unknown_fault_case_is_an_error_not_an_empty_run():
+    with pytest.raises(ValueError, match="killed_afterr names no fault case"):
+        selected_cases("killed_afterr")
+    assert selected_cases("planted") == [case_the_catalogue_then_no_planted_secret_anywhere]

@@ -35,6 +35,12 @@ def test_train_writes_model_checkpoint_and_metrics(tiny_params):
     for column in ("loss", "gain", "memory_std", "drift_mean", "drift_max"):
         assert column in header, column
     assert len(steps) - 1 == summary["iterations"]  # log_every=1
+    # Issue 52: every step with the memory carries the memory path's figures (add_batch_loss: both losses).
+    rows = [r for r in csv.DictReader(Path("metrics/train_steps.csv").open()) if int(r["epoch"]) > 1]
+    assert rows and all(r["memory_loss"] and r["batch_loss"] and r["batch_cosine"] for r in rows)
+    for r in rows:
+        assert float(r["loss"]) == pytest.approx(float(r["memory_loss"]) + float(r["batch_loss"]), rel=1e-5)
+        assert -1 <= float(r["batch_memory_cosine"]) <= 1 and 0 <= float(r["batch_mean_norm"]) <= 1
 
     metrics = evaluate(params)
     recomputed = recomputed_recall_at_1(params, "test")

@@ -207,6 +207,9 @@ class MemoryConfig(Section):
     # oracle: re-embed every stored row every this many steps (bounds the cost on a CPU; rows are then up to
     # oracle_every - 1 steps stale).
     oracle_every: int = Field(1, ge=1)
+    # The memory loss's gradient, less its mean over the batch: the batch cannot move as one away from the
+    # stored rows, which cannot move back (issue 52: the memory's collapse).
+    center_gradient: bool = True
 
     @model_validator(mode="after")
     def _size_is_count_or_fraction(self):
@@ -250,6 +253,10 @@ class LossConfig(Section):
     # Any pytorch-metric-learning miner class, or ours: RandomTripletMiner, SoftHardMiner (Roth et al. 2020).
     miner: str | None = "PairMarginMiner"
     miner_params: dict[str, Any] = {"pos_margin": 0.2, "neg_margin": 0.8}
+    # A step whose pair miner found negatives but no positive (every positive within pos_margin: a collapse, not
+    # a solved batch) under a loss taken over positives (SupCon, NT-Xent), in the minibatch and the memory path
+    # alike: all_pairs takes that step's loss over all pairs; zero keeps PML's exact 0 (no gradient, for good).
+    no_positive: Literal["all_pairs", "zero"] = "all_pairs"
     rho: RhoConfig = RhoConfig()
     # lr of the loss's own class weights/proxies relative to train.lr (and train.warmup_lr): 100x in the
     # ProxyAnchor and MemVir code (1e-2 vs 1e-4).

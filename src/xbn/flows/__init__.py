@@ -1,3 +1,14 @@
 """Prefect flows over xbn's stages (the same functions `dvc repro` runs through the CLI): `retrain` (the weekly
 schedule), `catalogue` (the catalogue on Dask) and `tune` (an Optuna study). prefect.yaml's entrypoints are the
 thin files in the project's pipelines/ folder, which import them from here."""
+
+import os
+
+# Before Prefect is imported by any flow module:
+# - its ephemeral server's analytics print a "database is locked" traceback per run;
+# - that server takes about 14 s to start on an idle 2-core machine and Prefect waits 20 s for it, so a run beside
+#   a training died with "Timed out while attempting to connect to ephemeral Prefect API server". A user's own
+#   setting (or PREFECT_API_URL, which needs no ephemeral server) is kept.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")

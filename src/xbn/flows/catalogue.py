@@ -26,10 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Before Prefect is imported: its ephemeral server's analytics print a "database is locked" traceback per run.
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_markdown_artifact
 from prefect.futures import as_completed

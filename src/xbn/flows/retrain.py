@@ -36,10 +36,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypedDict
 
-# Before Prefect is imported: its ephemeral server's analytics print a "database is locked" traceback per run.
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE, CachePolicy

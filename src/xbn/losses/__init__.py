@@ -17,8 +17,11 @@ from torch import nn
 # Importing the submodule binds the package attribute `miners` to it: PML's module is `pml_miners` here.
 from xbn.config import ConfigError, close_matches
 from xbn.losses import miners as own_miners
+from xbn.losses.xbm_contrastive import XBMContrastiveLoss
 
 OWN_MINERS = ("RandomTripletMiner", "SoftHardMiner")
+# Ours, looked up before PML's: the official XBM code's contrastive loss.
+OWN_LOSSES = {"XBMContrastiveLoss": XBMContrastiveLoss}
 # Filled in by build_loss from the data and model.embedding_dim: never required from loss.params.
 FILLED_LOSS_ARGUMENTS = ("num_classes", "embedding_size")
 
@@ -38,11 +41,12 @@ def _unknown(key: str, kind: str, name: str, known: dict[str, list[str]]) -> Con
 
 
 def loss_class(name: str) -> type[nn.Module]:
-    """The pytorch-metric-learning loss class `name`; a ConfigError naming loss.name (with the close matches)
-    if PML has none."""
-    cls = getattr(losses, name, None)
+    """Our loss `name` (OWN_LOSSES), else pytorch-metric-learning's; a ConfigError naming loss.name (with the
+    close matches) if neither has it."""
+    cls = OWN_LOSSES.get(name) or getattr(losses, name, None)
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)) or name.startswith("Base"):
-        raise _unknown("loss.name", "loss", name, {"pytorch-metric-learning": _classes(losses)})
+        raise _unknown("loss.name", "loss", name, {"pytorch-metric-learning": _classes(losses),
+                                                   "xbn": list(OWN_LOSSES)})
     return cls
 
 

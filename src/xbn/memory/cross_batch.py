@@ -42,8 +42,10 @@ import torch
 import torch.nn.functional as F
 from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning.distances import BaseDistance
+from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 from torch import nn
 
+from xbn.losses.positives import MINING_COUNTS, needs_positive, with_positive
 from xbn.memory.moments import MomentEstimator
 from xbn.utils.errors import NonFiniteLossError
 
@@ -169,8 +171,16 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         refresh_interval: int = 100,
         exclude_self: bool = False,
         attach_batch: bool = False,
+        no_positive: str = "all_pairs",
+        center_gradient: bool = False,
     ):
         super().__init__(loss, embedding_size, memory_size=memory_size, miner=miner)
+        # loss.no_positive, as in the minibatch loss (`with_positive`); the counts since `take_mining`, and the
+        # last forward's mined positive and negative pairs (host ints: their shapes, no device read).
+        self.repair_no_positive = no_positive == "all_pairs" and needs_positive(loss)
+        self.mining = dict.fromkeys(MINING_COUNTS, 0)
+        self.last_pairs: tuple[int, int] | None = None
+        self.center_gradient = center_gradient
         self.moments = moments
         self.refresh_interval = refresh_interval
         self.exclude_self, self.attach_batch = exclude_self, attach_batch
@@ -270,6 +280,8 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
     # -- the loss -------------------------------------------------------------------------------------------
     def forward(self, embeddings, labels, indices_tuple=None, enqueue_mask=None):
         self._in_forward, self._unit_current = True, 0
+        if self.center_gradient and embeddings.requires_grad:
+            embeddings = _CenteredGradient.apply(embeddings)
         try:
             if not self.attach_batch or enqueue_mask is not None:
                 return super().forward(embeddings, labels, indices_tuple, enqueue_mask)
@@ -311,14 +323,34 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
         indices_tuple = self.create_indices_tuple(embeddings, labels, E_mem, L_mem, indices_tuple, True)
         return self.loss(embeddings, labels, indices_tuple, E_mem, L_mem)
 
+    @classmethod
+    def supported_losses(cls):
+        return [*super().supported_losses(), "XBMContrastiveLoss"]
+
     def create_indices_tuple(self, embeddings, labels, E_mem, L_mem, input_indices_tuple,
                              do_remove_self_comparisons):
-        indices = super().create_indices_tuple(embeddings, labels, E_mem, L_mem, input_indices_tuple,
-                                               do_remove_self_comparisons)
-        if not self.exclude_self or self._batch_sources is None or len(self._batch_sources) != len(embeddings):
+        indices = self._own_rows_out(super().create_indices_tuple(
+            embeddings, labels, E_mem, L_mem, input_indices_tuple, do_remove_self_comparisons), labels, E_mem)
+        if len(indices) == 4:
+            self.last_pairs = (len(indices[0]), len(indices[2]))
+
+        def all_pairs():  # PML's pairs without a miner, less the same rows as above
+            pairs = lmu.get_all_pairs_indices(labels, L_mem)
+            if do_remove_self_comparisons:
+                pairs = lmu.remove_self_comparisons(pairs, self.curr_batch_idx, self.memory_size)
+            return self._own_rows_out(pairs, labels, E_mem)
+
+        return with_positive(indices, all_pairs, self.repair_no_positive, self.mining)
+
+    def _own_rows_out(self, indices: tuple, labels: torch.Tensor, E_mem: torch.Tensor) -> tuple:
+        if not self.exclude_self or self._batch_sources is None or len(self._batch_sources) != len(labels):
             return indices
         return _without_own_image(indices, self._batch_sources.to(labels.device),
                                   self.source_memory[: len(E_mem)])
+
+    def take_mining(self) -> dict[str, int]:
+        counts, self.mining = self.mining, dict.fromkeys(MINING_COUNTS, 0)
+        return counts
 
     @property
     def num_valid(self) -> int:
@@ -506,6 +538,22 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
             f"{report['batch_mean'] == 0}, memory moments finite: "
             f"{report['memory_mean'] + report['memory_std'] == 0}); the memory's rows were left as they were "
             f"from this update on")
+
+
+class _CenteredGradient(torch.autograd.Function):
+    """The identity, whose backward subtracts the gradient's mean over the batch (issue 52), written by hand.
+    Stored rows take no gradient, so the part of the memory loss's gradient common to every anchor moves the
+    whole batch away from them together; the stored rows follow a step later, and the batch contracts onto one
+    point as it runs. Without that common part each anchor still moves toward its positives and away from its
+    negatives, relative to the others."""
+
+    @staticmethod
+    def forward(ctx, embeddings):
+        return embeddings.view_as(embeddings)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad - grad.mean(0, keepdim=True)
 
 
 def _without_own_image(indices: tuple, batch_sources: torch.Tensor, memory_sources: torch.Tensor) -> tuple:

@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from pytorch_metric_learning.losses import GenericPairLoss, NTXentLoss, SupConLoss
+from pytorch_metric_learning.losses import GenericPairLoss
 from torch import nn
 
 from xbn.config import ConfigError, Params
 from xbn.config.schema import MemoryConfig
 from xbn.losses import build_loss, build_miner
 from xbn.losses.memvir import MemVir
+from xbn.losses.positives import MINING_COUNTS, needs_positive, with_positive
 from xbn.losses.rho import RhoRegularizedMiner
 from xbn.memory import (
     AdaptiveKalmanMoments,
@@ -25,6 +26,7 @@ from xbn.memory import (
     KalmanMoments,
     MomentEstimator,
 )
+from xbn.training.figures import StepFigures
 from xbn.utils import distributed
 
 if TYPE_CHECKING:
@@ -72,7 +74,7 @@ def cross_batch_memory(loss: nn.Module, embedding_size: int, memory_size: int, m
         raise ConfigError(f"memory: {exc}") from None
     return CrossBatchMemory(loss, embedding_size, memory_size=memory_size, miner=miner,
                             moments=moments_for(config, embedding_size), exclude_self=config.exclude_self,
-                            attach_batch=config.attach_batch)
+                            attach_batch=config.attach_batch, center_gradient=config.center_gradient)
 
 
 def memory_rows(size: float, num_train_images: int, batch_size: int) -> int:
@@ -113,9 +115,6 @@ def _bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-_MINING_COUNTS = ("steps", "no_pair", "no_positive", "all_pairs")
-
-
 class Criterion(nn.Module):
     """loss(embeddings, labels) for one training step.
 
@@ -136,24 +135,29 @@ class Criterion(nn.Module):
 
     def __init__(self, loss: nn.Module, miner: nn.Module | None, memory: CrossBatchMemory | None = None,
                  start_iteration: int = 0, add_batch_loss: bool = False,
-                 mpn_loss: IntraBatchLoss | None = None):
+                 mpn_loss: IntraBatchLoss | None = None, no_positive: str = "all_pairs"):
         super().__init__()
         self.loss, self.miner, self.memory = loss, miner, memory
         self.mpn_loss = mpn_loss
         self.start_iteration, self.add_batch_loss = start_iteration, add_batch_loss
         self.iteration = 0
-        # SupCon and NT-Xent take their loss over each anchor's positives: mined pairs without a positive
-        # give them a loss of exactly 0 and no gradient (see `batch_loss`).
-        self.needs_positive = isinstance(loss, (SupConLoss, NTXentLoss))
-        self.mining = dict.fromkeys(_MINING_COUNTS, 0)
+        # loss.no_positive: mined pairs without a positive give SupCon and NT-Xent exactly 0 (`with_positive`).
+        self.repair_no_positive = no_positive == "all_pairs" and needs_positive(loss)
+        self.mining = dict.fromkeys(MINING_COUNTS, 0)
+        self.figures = StepFigures()
 
-    # Mining of the steps since the trainer last read them (`take_mining`): steps that mined, steps whose
-    # miner found no positive pair, and those of them that fell back to all pairs.
+    # Mining of the minibatch loss's steps since the trainer last read them (`take_mining`): steps that mined,
+    # steps whose miner found no positive pair, and those of them that fell back to all pairs.
     mining: dict[str, int]
 
     def take_mining(self) -> dict[str, int]:
+        """The minibatch path's counts (MINING_COUNTS) and the memory path's (`memory_` + each, and the steps
+        whose memory loss was exactly 0: one read of the device) since the last call."""
         counts = self.mining
-        self.mining = dict.fromkeys(_MINING_COUNTS, 0)
+        self.mining = dict.fromkeys(MINING_COUNTS, 0)
+        if self.memory is not None:
+            counts = {**counts, **{f"memory_{k}": v for k, v in self.memory.take_mining().items()},
+                      "memory_zero_loss": self.figures.take_zero_steps()}
         return counts
 
     def get_extra_state(self):
@@ -164,17 +168,7 @@ class Criterion(nn.Module):
 
     def batch_loss(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         pairs = self.miner(embeddings, labels) if self.miner is not None else None
-        if pairs is not None and len(pairs) == 4:  # a pair miner: (anchor, positive, anchor, negative)
-            positives, negatives = len(pairs[0]), len(pairs[2])
-            self.mining["steps"] += 1
-            self.mining["no_pair"] += positives + negatives == 0
-            self.mining["no_positive"] += positives == 0
-            if positives == 0 and negatives and self.needs_positive:
-                # Negatives inside the margin but no positive beyond it: the embeddings have collapsed (every
-                # pair within loss.miner_params.pos_margin), not a solved batch. SupCon would give exactly 0 and
-                # no gradient, for good (the collapse then never ends): take the loss over all pairs instead.
-                self.mining["all_pairs"] += 1
-                pairs = None
+        pairs = with_positive(pairs, lambda: None, self.repair_no_positive, self.mining)
         return self.loss(embeddings, labels, pairs)
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, sources: torch.Tensor | None = None,
@@ -203,16 +197,16 @@ class Criterion(nn.Module):
         assert self.memory is not None  # forward calls it only with a memory
         self.memory.iteration = self.iteration  # named if the memory's statistics turn non-finite
         loss = self.memory(embeddings, labels)
-        if self.add_batch_loss:
-            loss = loss + self.batch_loss(embeddings, labels)
-        return loss
+        batch_loss = self.batch_loss(embeddings, labels) if self.add_batch_loss else None
+        self.figures.add(self.memory, embeddings, loss, batch_loss)
+        return loss if batch_loss is None else loss + batch_loss
 
     def diagnostics(self) -> dict[str, float]:
-        """The memory's last statistics as numbers: read only when the trainer logs (each read of a device
-        tensor waits for the device)."""
+        """The memory's last statistics and the memory path's figures since the last read (`StepFigures`), as
+        numbers: read only when the trainer logs (each read of a device tensor waits for the device)."""
         if self.memory is None:
             return {}
-        return {k: float(v) for k, v in self.memory.last_diagnostics.items()}
+        return {**{k: float(v) for k, v in self.memory.last_diagnostics.items()}, **self.figures.take()}
 
     def check_finite(self) -> None:
         """Raise `NonFiniteLossError` naming the iteration if a memory update had a non-finite target."""
@@ -272,6 +266,7 @@ def build_criterion(params: Params, num_train_images: int, train_labels=None,
         check_memory_fits(params.memory.size, rows, params.model.embedding_dim, num_train_images)
         memory = CrossBatchMemory(loss, params.model.embedding_dim, rows, miner=miner,
                                   moments=build_moments(params), exclude_self=params.memory.exclude_self,
-                                  attach_batch=params.memory.attach_batch)
+                                  attach_batch=params.memory.attach_batch, no_positive=params.loss.no_positive,
+                                  center_gradient=params.memory.center_gradient)
     return Criterion(loss, miner, memory, memory_start_iteration(params, steps), params.memory.add_batch_loss,
-                     mpn_loss=build_mpn_loss(params, train_labels))
+                     mpn_loss=build_mpn_loss(params, train_labels), no_positive=params.loss.no_positive)

@@ -50,6 +50,7 @@ from xbn.models.mpn import save_mpn
 from xbn.training.batches import RankBatchSampler, RequestedBatches, SeededSamples
 from xbn.training.criterion import Criterion, build_criterion
 from xbn.training.diagnostics import MEMORY_DRIFT_COLUMNS, FeatureDrift, memory_drift, summarize_memory_drift
+from xbn.training.figures import FIGURE_COLUMNS
 from xbn.training.memory_format import choose_channels_last
 from xbn.training.prefetch import DeviceBatches
 from xbn.training.replicas import compare_replicas
@@ -64,7 +65,7 @@ EpochCallback = Callable[[int, dict], None]
 
 # Fixed columns so the DVC plots find them whatever the memory method (empty where it does not apply).
 STEP_COLUMNS = ["iteration", "epoch", "loss", "lr", "drift_mean", "drift_max", "gain", "memory_mean", "memory_std",
-                "batch_mean", "batch_std", "scale", *MEMORY_DRIFT_COLUMNS]
+                "batch_mean", "batch_std", "scale", *FIGURE_COLUMNS, *MEMORY_DRIFT_COLUMNS]
 
 
 class CheckpointMismatchError(ConfigError):
@@ -509,15 +510,27 @@ class Trainer:
                           f"(memory.method), a larger batch (train.batch_size) or a lower neg_margin "
                           f"(loss.miner_params.neg_margin={margins.get('neg_margin')})", stop=zero_loss)
         elif mining["steps"] == n and mining["no_positive"] == n:
-            fallback = (f"; the loss was taken over all pairs instead ({mining['all_pairs']} of them)"
-                        if mining["all_pairs"] else "")
-            self._stalled("no_positive", f"the miner found no positive pair in {n} steps, only negatives: every "
-                          f"positive pair is closer than loss.miner_params.pos_margin="
-                          f"{margins.get('pos_margin')}, so the embeddings have collapsed{fallback}; try a memory "
-                          f"(memory.method), a lower train.lr or loss.miner=null", stop=zero_loss)
+            self._stalled("no_positive", self._no_positive_text(n, "", mining), stop=zero_loss)
         if zero_loss:
             self._stalled("zero_loss", f"the loss was exactly 0 for {n} steps: no gradient, the model does not "
                           f"learn; try a memory (memory.method), a larger batch or another miner (loss.miner)")
+        # The memory path (issue 52): its loss may sit at 0 while the minibatch loss beside it does not.
+        memory_zero = mining.get("memory_zero_loss", 0) == n
+        if mining.get("memory_steps", 0) == n and mining["memory_no_positive"] == n:
+            self._stalled("memory_no_positive", self._no_positive_text(n, " against the memory", mining, "memory_"),
+                          stop=memory_zero)
+        if memory_zero:
+            self._stalled("memory_zero_loss", f"the memory loss was exactly 0 for {n} steps: the memory gives no "
+                          f"gradient; see memory_positives and batch_cosine in {self.metrics_dir / 'train_steps.csv'}"
+                          f" (loss.no_positive={self.params.loss.no_positive})")
+
+    def _no_positive_text(self, n: int, where: str, mining: dict[str, int], prefix: str = "") -> str:
+        margins = self.params.loss.miner_params
+        fallback = (f"; the loss was taken over all pairs instead ({mining[prefix + 'all_pairs']} of them)"
+                    if mining[prefix + "all_pairs"] else "")
+        return (f"the miner found no positive pair{where} in {n} steps, only negatives: every positive pair is "
+                f"closer than loss.miner_params.pos_margin={margins.get('pos_margin')}, so the embeddings have "
+                f"collapsed{fallback}; try a memory (memory.method), a lower train.lr or loss.miner=null")
 
     def _watch_validation(self) -> None:
         """Val R@1 below the warm-up's (the untrained model's without a warm-up) for `patience` epochs in a
