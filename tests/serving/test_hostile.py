@@ -269,6 +269,72 @@ def test_a_stalled_upload_is_cut_off(deployed):
         assert client.get("/health").status_code == 200
 
 
+def answer_to_headers(port: int, request: bytes) -> tuple[bytes, bool]:
+    """Send a request's headers on a raw connection and read the answer that comes before any body is sent;
+    then try to send 2.4 MB of chunks: whether the server still took them (False: it closed the connection)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(request)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+        chunk = b"x" * 60000
+        try:
+            for _ in range(40):
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            sock.shutdown(socket.SHUT_WR)
+            taken = sock.recv(4096) != b""
+        except OSError:  # reset or broken pipe: the server closed the connection
+            taken = False
+    return answer, taken
+
+
+@pytest.mark.parametrize("framing", [b"Transfer-Encoding: chunked\r\n",
+                                     b"Content-Length: 100\r\nTransfer-Encoding: chunked\r\n"],
+                         ids=["chunked", "chunked_with_a_content_length"])
+def test_a_chunked_upload_is_refused_before_it_is_read(deployed, framing, monkeypatch):
+    # h11 reads the chunks and ignores a Content-Length beside them, so a size checked against the header alone
+    # let a multipart part of any size be spooled to disk. Refused whole, before any route (or parser) runs.
+    reached = []
+    monkeypatch.setattr(http, "open_image", lambda *a, **k: reached.append(1))
+    with running(create_app(local_source(deployed), ServeConfig(poll_interval_s=0), token=None)) as client:
+        answer, taken = answer_to_headers(client.base_url.port, b"POST /search HTTP/1.1\r\nHost: 127.0.0.1\r\n" +
+                                          framing + b"Content-Type: multipart/form-data; boundary=zz\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 411 "), answer[:300]
+        assert b"Content-Length" in answer and not reached and not taken
+        assert client.get("/health").status_code == 200
+
+
+def test_the_body_limit_counts_the_bytes_that_arrive_not_the_bytes_announced():
+    import asyncio
+
+    from starlette.exceptions import HTTPException
+
+    from xbn.serving.limits import Limits
+
+    async def app(scope, receive, send):  # reads the whole body, as a form parser would
+        while (await receive()).get("more_body"):
+            pass
+
+    async def scenario(declared: bytes | None):
+        parts = iter([b"a" * 600, b"b" * 600, b""])
+
+        async def receive():
+            body = next(parts)
+            return {"type": "http.request", "body": body, "more_body": bool(body)}
+
+        headers = [(b"content-length", declared)] if declared else []
+        await Limits(app, max_concurrency=4, body_timeout_s=5, max_body_bytes=1000)(
+            {"type": "http", "path": "/search", "headers": headers}, receive, lambda m: asyncio.sleep(0))
+
+    for declared in (None, b"100", b"5000"):  # none, an understatement, an overstatement past the limit
+        with pytest.raises(HTTPException) as refused:
+            asyncio.run(scenario(declared))
+        assert refused.value.status_code == 413, declared
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 3. No open door by accident
 

@@ -342,7 +342,7 @@ def create_app(
     # Added last, so outermost: a foreign Host or a flood is answered before anything else runs.
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=cfg.allowed_hosts, www_redirect=False)
     app.add_middleware(Limits, max_concurrency=cfg.max_concurrency, body_timeout_s=cfg.body_timeout_s,
-                       exempt={"/health"})
+                       exempt={"/health"}, max_body_bytes=cfg.max_upload_bytes + _FORM_OVERHEAD)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):

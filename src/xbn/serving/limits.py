@@ -4,7 +4,10 @@ the time a request body may take, and the response headers every answer carries.
 `Limits` is a plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which would read bodies through a
 task of its own): it answers 503 with Retry-After beyond `max_concurrency` requests in flight, and makes
 reading a body that has not arrived in full after `body_timeout_s` raise a 408 (FastAPI re-raises an
-HTTPException met while reading the form, so the route never runs). uvicorn's own `limit_concurrency` counts
+HTTPException met while reading the form, so the route never runs). A body is bounded by the bytes that arrive,
+not the bytes announced: a request with a `Transfer-Encoding` (chunked, or beside a Content-Length, where h11
+reads the chunks and ignores the length) is refused with 411 before any of it is read, and a body that grows
+past `max_body_bytes` or its own Content-Length raises a 413 while it is read. uvicorn's own `limit_concurrency` counts
 idle keep-alive connections too and sends no Retry-After; its `timeout_keep_alive` does not apply while a body
 is being received.
 """
@@ -53,8 +56,9 @@ class Limits:
     server as alive)."""
 
     def __init__(self, app: ASGIApp, max_concurrency: int, body_timeout_s: float,
-                 exempt: Collection[str] = ()) -> None:
+                 exempt: Collection[str] = (), max_body_bytes: int | None = None) -> None:
         self.app, self.max_concurrency, self.body_timeout_s = app, max_concurrency, body_timeout_s
+        self.max_body_bytes = max_body_bytes
         self.exempt = frozenset(exempt)
         self.in_flight = 0  # only touched on the event loop: no lock needed
 
@@ -74,11 +78,19 @@ class Limits:
             await _json(send_nosniff, 503, f"the server is busy ({self.max_concurrency} requests in flight): "
                         f"retry in {RETRY_AFTER_S} s", [(b"retry-after", str(RETRY_AFTER_S).encode())])
             return
+        headers = dict(scope.get("headers") or [])
+        if b"transfer-encoding" in headers:
+            await _json(send_nosniff, 411, "a request body must be sent with a Content-Length, not a "
+                        "Transfer-Encoding", [(b"connection", b"close")])
+            return
+        declared = headers.get(b"content-length", b"")
+        limit = min(int(declared), self.max_body_bytes or int(declared)) if declared.isdigit() else \
+            self.max_body_bytes
         deadline = asyncio.get_running_loop().time() + self.body_timeout_s
-        body_done = False
+        body_done, received = False, 0
 
         async def receive_by_deadline() -> Message:
-            nonlocal body_done
+            nonlocal body_done, received
             if body_done:  # later calls wait for a disconnect while a response streams: not the body's time
                 return await receive()
             left = deadline - asyncio.get_running_loop().time()
@@ -89,6 +101,11 @@ class Limits:
                 raise HTTPException(408, f"the request body did not arrive within {self.body_timeout_s} s",
                                     headers={"Connection": "close"}) from None
             body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if limit is not None and received > limit:
+                    raise HTTPException(413, f"the request body passed {limit} bytes",
+                                        headers={"Connection": "close"})
             return message
 
         self.in_flight += counted
