@@ -3,9 +3,13 @@ whose message names the key; never another exception."""
 
 from __future__ import annotations
 
+import re
+
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import pytest
 
 from xbn.config import ConfigError, Params, flatten, load_params
 
@@ -32,10 +36,17 @@ PROPERTY = settings(max_examples=100, deadline=None)
 
 
 def _names_key(message: str, key: str) -> bool:
-    # The whole dotted key, or the part of it that is wrong (an unknown section, a value used as a section).
+    """The whole dotted key, or the part of it that is wrong (an unknown section, a value used as a section),
+    as a name of its own: `a` is not named by "data:", nor `train` by "train.lr" when the key was `train`."""
     parts = key.split(".")
     prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    return key in message or any(f"'{p}'" in message or f"{p}:" in message for p in prefixes)
+    return any(re.search(rf"(?<![\w.]){re.escape(p)}(?![\w])", message) for p in prefixes)
+
+
+def test_naming_a_key_means_naming_it_whole():
+    assert not _names_key("data: unknown key 'x'", "a")  # the old check took "a:" inside "data:" for the key
+    assert not _names_key("train.lr: must be > 0", "lr")
+    assert _names_key("train.lr: must be > 0", "train.lr") and _names_key("unknown section 'trian'", "trian.lr")
 
 
 @PROPERTY
@@ -53,6 +64,14 @@ def test_any_override_is_valid_params_or_a_config_error_naming_the_key(key, text
 @given(pairs=st.lists(st.tuples(st.sampled_from(REAL_KEYS), values), min_size=2, max_size=4))
 def test_several_overrides_of_real_keys_fail_naming_one_of_them(pairs):
     try:
-        load_params(None, [f"{k}={v}" for k, v in pairs])
+        params = load_params(None, [f"{k}={v}" for k, v in pairs])
     except ConfigError as exc:
         assert any(_names_key(str(exc), k) for k, _ in pairs), f"{pairs}: {exc}"
+    else:  # accepted: each key holds what its last override said, as the schema coerced it
+        flat = flatten(params)
+        for key, value in dict(pairs).items():
+            given_value, held = yaml.safe_load(value), flat[key]
+            if isinstance(given_value, bool) or not isinstance(given_value, (int, float)):
+                assert held == given_value or str(held) == str(given_value), (key, value, held)
+            else:
+                assert held == pytest.approx(given_value), (key, value, held)
