@@ -99,13 +99,29 @@ def _repair_rwlock(tmp_dir: Path) -> list[str]:
 
 
 def _reused_pid(info: Any) -> bool:
-    """A lock entry whose PID is alive but is not the command that took the lock."""
+    """A lock entry whose PID is alive but provably runs another program than the one that took the lock."""
     import psutil
 
     try:
         process = psutil.Process(int(info["pid"]))
-        return " ".join(process.cmdline()) != info["cmd"]
+        return not _may_have_recorded(process.cmdline(), info["cmd"])
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return False  # dead: DVC drops it itself, with its own warning
     except (psutil.AccessDenied, KeyError, TypeError, ValueError):
         return False  # cannot tell: leave it to DVC
+
+
+def _may_have_recorded(cmdline: list[str], recorded: str) -> bool:
+    """Whether a process whose argv the OS shows as `cmdline` can be the one that wrote `recorded`: DVC records
+    `" ".join(sys.argv)`, which for a Python program leaves out the interpreter and its options (`python
+    /venv/bin/dvc repro` records "/venv/bin/dvc repro"), and for `python -m dvc` starts with the module's
+    __main__.py. Unknown (no argv: a kernel thread, no access): True, so the lock is left alone."""
+    if not cmdline:
+        return True
+    if recorded in {" ".join(cmdline[i:]) for i in range(len(cmdline))}:
+        return True
+    program, _, arguments = recorded.partition(" ")
+    if "-m" in cmdline and Path(program).name == "__main__.py":
+        module_at = cmdline.index("-m") + 1
+        return " ".join(cmdline[module_at + 1:]) == arguments
+    return False
