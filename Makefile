@@ -13,7 +13,7 @@ export DO_NOT_TRACK ?= 1
 # a concurrent client request reads, a race seen as KeyError '_MLFLOW_TELEMETRY_SESSION_ID' in the tests.
 export MLFLOW_DISABLE_TELEMETRY ?= true
 
-.PHONY: install install-dev run test lint bench clean
+.PHONY: install install-dev run test test-fast lint bench clean
 
 install: $(STAMP)
 
@@ -44,8 +44,13 @@ lint: install-dev
 	$(BIN)/ruff check src pipelines
 	$(BIN)/mypy
 
+# Every tier (tests/conftest.py's TIERS), grouped by module: a module that starts servers runs on one worker.
 test: install-dev
 	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=20 tests
+
+# The unit tier alone (a few minutes on 2 cores); a unit test over 5 s fails, naming itself.
+test-fast: install-dev
+	XBN_UNIT_LIMIT_S=5 $(BIN)/python -m pytest -n 2 --dist loadfile --durations=10 -m unit tests
 
 # `make bench BENCH_ARGS="--quick --allow-dirty"`: the smoke variants, from a tree with uncommitted changes.
 bench: install-dev

@@ -63,7 +63,54 @@ def tiny_params(tmp_path, glyph_root, monkeypatch):
     return make
 
 
+# The suite's tiers, from one table: the first entry whose path prefix (under tests/) matches a module gives its
+# tier; everything else is `unit` (no subprocess, no server, no training beyond a few steps). `make test-fast`
+# runs the unit tier alone, with every unit test held to UNIT_LIMIT_S; `make test` runs all four.
+# - integration: subprocesses, tiny trainings, DVC, an SQLite MLflow store, uvicorn in a thread;
+# - services: PostgreSQL, the MLflow and Prefect servers;
+# - faults: the weekly loop's fault suite (every service, killed and cut).
+TIERS = [
+    ("faults/", "faults"),
+    ("infra/", "services"), ("tuning/test_workers.py", "services"), ("tuning/test_storage.py", "services"),
+    ("tracking/test_concurrent_promotion.py", "services"), ("tracking/test_run_lock.py", "services"),
+    ("architecture/test_suite_grouping.py", "integration"), ("console/", "integration"),
+    ("data/test_snapshot.py", "integration"), ("data/test_dvc_live_lock.py", "integration"),
+    ("data/test_cache.py", "integration"), ("data/test_loading.py", "integration"),
+    ("distributed/", "integration"), ("pipeline/", "integration"), ("reliability/", "integration"),
+    ("refine/", "integration"), ("serving/", "integration"), ("tracking/", "integration"),
+    ("training/", "integration"), ("tuning/", "integration"), ("validation/", "integration"),
+    ("models/test_mpn.py", "integration"), ("models/test_backbone.py", "integration"),
+    ("evaluation/test_inference.py", "integration"), ("evaluation/test_embedding_space.py", "integration"),
+]
+TIER_NAMES = ("unit", "integration", "services", "faults")
+UNIT_LIMIT_S = 5.0
+
+
+def tier_of(relative: str) -> str:
+    return next((tier for prefix, tier in TIERS if relative.startswith(prefix)), "unit")
+
+
 def pytest_collection_modifyitems(config, items):
-    """The `slow` tests first: xdist hands tests out in collection order, so a 3-minute end-to-end test that
-    starts last leaves the other worker idle at the end (make test's wall time is the busier worker's)."""
+    """Each test gets its tier's marker (`TIERS`). The `slow` tests go first: xdist hands tests out in collection
+    order, so a 3-minute end-to-end test that starts last leaves the other worker idle at the end (make test's
+    wall time is the busier worker's)."""
+    tests = Path(__file__).parent
+    for item in items:
+        tier = tier_of(Path(str(item.path)).relative_to(tests).as_posix())
+        item.add_marker(getattr(pytest.mark, "integration" if tier == "unit" and item.get_closest_marker("slow")
+                                else tier))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With $XBN_UNIT_LIMIT_S set (make test-fast), a unit test that runs longer fails, naming itself: it belongs
+    in another tier, or should be made fast."""
+    outcome = yield
+    report = outcome.get_result()
+    limit = os.environ.get("XBN_UNIT_LIMIT_S")
+    if limit and call.when == "call" and report.passed and item.get_closest_marker("unit") \
+            and call.duration > float(limit):
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} is a unit test but took {call.duration:.1f} s (> {limit} s): make it "
+                           f"faster, or give its module another tier in tests/conftest.py's TIERS")
