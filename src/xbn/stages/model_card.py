@@ -45,7 +45,12 @@ GATE_INTERVAL_TAG = "gate_interval"  # the comparison in short: `+0.0120 [-0.004
 # departs from seed 000's XBN").
 DEPARTURE = ("- departs from seed 000's XBN, which takes the memory loss alone: the minibatch loss is added, as the "
              "official XBM code does; alone, the memory loss never beat no memory at batch 64 on any set xbn "
-             "measured, and a drift-free memory did no better (docs/benchmarks.md, sections 6b and 14)")
+             "measured (docs/benchmarks.md, section 6b)")
+# Issue 52: a memory whose rows take no gradient let the batch run from them as one and collapse; the card says
+# when the trained loss carries the fix, which seed 000 does not have.
+CENTRED = ("- the memory loss's gradient is centred over the batch (`memory.center_gradient`), which seed 000 does "
+           "not do: without it the batch ran from the stored rows as one and collapsed (docs/benchmarks.md, "
+           "section 15)")
 
 
 def review_table(params: Params, champion: ModelVersionInfo | None, other: ModelVersionInfo | None,
@@ -152,6 +157,7 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
               "", "## Key params", *(f"- `{k}`: {flat[k]}" for k in KEY_PARAMS if k in flat),
               f"- loss: {trained.loss_composition}",
               *([DEPARTURE] if trained.memory.method != "none" and trained.memory.add_batch_loss else []),
+              *([CENTRED] if trained.memory.method != "none" and trained.memory.center_gradient else []),
               f"- starting weights: {weights_line(trained)}",
               f"- params hash: `{version.tags.get('params_hash')}`",
               f"- git commit: `{summary['tags'].get('git_commit', 'unknown')}`",
