@@ -11,6 +11,10 @@ os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # its thread races client requests (see Makefile)
+# An `mlflow server` starts a job runner (about 7 huey consumers) by default, each with its own pool of connections
+# to the backend store; xbn runs no MLflow jobs. Beside the other PostgreSQL users of a run (the tuning workers,
+# a Prefect server) they took the shared server past its 100 connections ("sorry, too many clients already").
+os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
 # The bf16 fast paths (xbn.utils.cpu) are off unless a test turns them on: runs that tests compare across
 # processes must not differ by a probe. tests/evaluation/test_inference.py and the kNN tests pin both branches.
 os.environ.setdefault("XBN_CPU_BF16", "0")
