@@ -135,7 +135,10 @@ def render(mechanism: list[dict[str, Any]], grid: dict[str, Any] | None, header,
     found: list[dict[str, Any]] = []
     if grid:
         diffs: dict[int, dict[str, Any]] = {}
-        out += ["### Every memory arm beside `none`, with the fix (`" + grid["_file"] + "`)", "", header(grid), ""]
+        out += ["### Every memory arm beside `none`, with the fix (`" + grid["_file"] + "`)", "",
+                "`memory.center_gradient: true` and `loss.no_positive: all_pairs` in every memory arm (the defaults "
+                "at the commit the grid ran; `memory.center_gradient` is off by default: `xbn*` "
+                "lost to `none` here with it).", "", header(grid), ""]
         for batch in sorted({r["batch"] for r in grid["runs"]}):
             rows, diffs[batch] = grid_rows(grid, batch, paired_difference)
             out += [f"Batch {batch}: test R@1 mean ± std over seeds; the paired difference to `none` with its 95% "

@@ -209,7 +209,7 @@ class MemoryConfig(Section):
     oracle_every: int = Field(1, ge=1)
     # The memory loss's gradient, less its mean over the batch: the batch cannot move as one away from the
     # stored rows, which cannot move back (issue 52: the memory's collapse).
-    center_gradient: bool = True
+    center_gradient: bool = False
 
     @model_validator(mode="after")
     def _size_is_count_or_fraction(self):
