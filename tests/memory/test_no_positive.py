@@ -37,32 +37,30 @@ def fill(crit, steps: int = 3):
             crit(*trapped(seed=step + 1))
 
 
-@pytest.mark.parametrize("method", ["xbm", "xbn", "axbn", "oracle"])
-def test_a_collapsed_memory_still_gives_a_gradient(method):
-    crit = criterion(method)
+def trapped_step(crit) -> tuple[float, torch.Tensor, dict[str, int]]:
+    """One step of a trapped batch against `crit`'s trapped memory: its loss, its gradient, and the mining
+    counts of that step alone."""
     fill(crit)
     crit.take_mining()
     embeddings, labels = trapped(seed=9)
     embeddings.requires_grad_()
     loss = crit(embeddings, labels)
     loss.backward()
-    assert float(loss.detach()) > 0 and embeddings.grad.abs().sum() > 0
-    counts = crit.take_mining()
+    return float(loss.detach()), embeddings.grad, crit.take_mining()
+
+
+@pytest.mark.parametrize("method", ["xbm", "xbn", "axbn", "oracle"])
+def test_a_collapsed_memory_still_gives_a_gradient(method):
+    loss, grad, counts = trapped_step(criterion(method))
+    assert loss > 0 and grad.abs().sum() > 0
     assert counts["memory_steps"] == 1 and counts["memory_no_positive"] == 1 and counts["memory_all_pairs"] == 1
 
 
 @pytest.mark.parametrize("method", ["xbm", "xbn"])
 def test_without_the_fallback_the_trapped_memory_gives_exactly_zero_and_no_gradient(method):
     # PML's own behaviour, kept as loss.no_positive=zero: what made the memory arms stop learning for good.
-    crit = criterion(method, "zero")
-    fill(crit)
-    crit.take_mining()
-    embeddings, labels = trapped(seed=9)
-    embeddings.requires_grad_()
-    loss = crit(embeddings, labels)
-    loss.backward()
-    assert float(loss.detach()) == 0.0 and embeddings.grad.abs().sum() == 0
-    counts = crit.take_mining()
+    loss, grad, counts = trapped_step(criterion(method, "zero"))
+    assert loss == 0.0 and grad.abs().sum() == 0
     assert counts["memory_no_positive"] == 1 and counts["memory_all_pairs"] == 0
     assert counts["memory_zero_loss"] == 1
 
