@@ -152,3 +152,20 @@ def test_a_centred_gradient_moves_no_anchor_with_the_batch_and_leaves_the_loss_a
     assert grad_plain.mean(0).abs().max() > 1e-4  # the common part the batch would move by
     assert grad_centred.mean(0).abs().max() < 1e-6
     assert torch.allclose(grad_centred, grad_plain - grad_plain.mean(0), atol=1e-6)
+
+
+
+def test_memory_mine_false_takes_every_pair_against_the_memory_and_keeps_the_miner_on_the_minibatch():
+    mined, unmined = criterion("xbm"), criterion("xbm", "all_pairs", "memory.mine=false")
+    no_miner = criterion("xbm", "all_pairs", "loss.miner=null")
+    assert unmined.miner is not None and unmined.memory.miner is None and mined.memory.miner is mined.miner
+    g = torch.Generator().manual_seed(3)
+    stored = torch.nn.functional.normalize(torch.randn(48, DIM, generator=g), dim=1)
+    batch = torch.nn.functional.normalize(torch.randn(16, DIM, generator=g), dim=1)
+    losses = []
+    for crit in (mined, unmined, no_miner):
+        with torch.no_grad():
+            crit(stored, torch.arange(48) % CLASSES)
+        losses.append(float(crit(batch, torch.arange(CLASSES).repeat_interleave(PER_CLASS))))
+    # Against the memory, every pair (as with no miner at all); the miner's few hard pairs give another loss.
+    assert losses[1] == pytest.approx(losses[2], rel=1e-6) and losses[0] != pytest.approx(losses[1], rel=1e-3)

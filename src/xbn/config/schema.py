@@ -210,6 +210,9 @@ class MemoryConfig(Section):
     # The memory loss's gradient, less its mean over the batch: the batch cannot move as one away from the
     # stored rows, which cannot move back (issue 52: the memory's collapse).
     center_gradient: bool = False
+    # The miner also picks the pairs taken against the memory; false: all pairs against the memory, the miner on
+    # the minibatch loss only. A margin miner over thousands of stored rows keeps only the hardest few (issue 52).
+    mine: bool = True
 
     @model_validator(mode="after")
     def _size_is_count_or_fraction(self):

@@ -264,7 +264,8 @@ def build_criterion(params: Params, num_train_images: int, train_labels=None,
     if params.memory.method != "none":
         rows = memory_rows(params.memory.size, num_train_images, params.train.batch_size)
         check_memory_fits(params.memory.size, rows, params.model.embedding_dim, num_train_images)
-        memory = CrossBatchMemory(loss, params.model.embedding_dim, rows, miner=miner,
+        memory_miner = miner if params.memory.mine else None  # memory.mine=false: all pairs against the memory
+        memory = CrossBatchMemory(loss, params.model.embedding_dim, rows, miner=memory_miner,
                                   moments=build_moments(params), exclude_self=params.memory.exclude_self,
                                   attach_batch=params.memory.attach_batch, no_positive=params.loss.no_positive,
                                   center_gradient=params.memory.center_gradient)
