@@ -114,8 +114,20 @@ def test_postgres_initialises_the_service_databases():
     volumes = SERVICES["postgres"]["volumes"]
     assert any(v.startswith("./postgres/init-databases.sh:/docker-entrypoint-initdb.d/") for v in volumes)
     env = environment("postgres")
-    for service in ("MLFLOW", "PREFECT", "OPTUNA"):  # the passwords init-databases.sh reads
+    for service in ("MLFLOW", "PREFECT", "OPTUNA", "LOCKS"):  # the passwords init-databases.sh reads
         assert REFERENCE.fullmatch(env[f"{service}_DB_PASSWORD"])
+    assert "locks" in env["XBN_DATABASES"].split()
+
+
+def test_every_registry_writer_holds_the_locks_in_one_database_the_host_can_reach():
+    """The MLflow server offers no lock: the containers that run xbn name the locks database, and postgres is
+    published on loopback so that a reviewer's `xbn registry rollback` on the host takes the same lock."""
+    for name in ("trainer", "prefect-worker"):
+        assert re.fullmatch(r"postgresql\+psycopg2://locks:\$\{LOCKS_DB_PASSWORD[^}]*\}@postgres:5432/locks",
+                            environment(name)["XBN_LOCK_URI"]), name
+    assert SERVICES["postgres"]["ports"] == ["127.0.0.1:${XBN_POSTGRES_HOST_PORT:-5433}:5432"]
+    readme = (ROOT / "infra" / "README.md").read_text()
+    assert "export XBN_LOCK_URI=postgresql+psycopg2://locks:" in readme
 
 
 def test_minio_buckets_job():

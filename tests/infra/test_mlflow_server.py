@@ -46,6 +46,11 @@ class Server:
     artifacts: Path
     log: Path
 
+    @property
+    def store(self) -> str:
+        """The backend store itself: where a worker on the database, and every registry lock, lives here."""
+        return f"postgresql+psycopg2://postgres@127.0.0.1:5432/{self.database}"
+
 
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory) -> Iterator[Server]:
@@ -101,6 +106,7 @@ def client_env(mlflow_server, tmp_path, monkeypatch):
     for var in CLIENT_ENV:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
+    monkeypatch.setenv("XBN_LOCK_URI", mlflow_server.store)  # the server offers no lock (infra/README.md)
     as_account(monkeypatch, "pipeline")
     yield
     while mlflow.active_run():
@@ -138,13 +144,13 @@ def registered(mlflow_server, glyph_root, tmp_path_factory):
     from xbn.stages.validate import validate
 
     work = tmp_path_factory.mktemp("pipeline")
-    names = (*CLIENT_ENV, "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+    names = (*CLIENT_ENV, "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "XBN_LOCK_URI")
     saved, cwd = {k: os.environ.get(k) for k in names}, os.getcwd()
     for name in CLIENT_ENV:
         os.environ.pop(name, None)
     user, password = ACCOUNTS["pipeline"]
     os.environ.update({"MLFLOW_TRACKING_URI": mlflow_server.url, "MLFLOW_TRACKING_USERNAME": user,
-                       "MLFLOW_TRACKING_PASSWORD": password})
+                       "MLFLOW_TRACKING_PASSWORD": password, "XBN_LOCK_URI": mlflow_server.store})
     os.chdir(work)
     try:
         params = load_params(ROOT / "params.yaml", [*TINY, f"data.root={glyph_root}", "tracking.enabled=true"])
@@ -339,3 +345,72 @@ def test_a_reviewer_promotes_as_themselves_and_a_wrong_password_is_one_line(mlfl
         EXIT_CONFIG
     err = capsys.readouterr().err.strip()
     assert "the MLflow account 'xbn-serve' may not do that" in err and "needs EDIT" in err, err
+
+
+def test_a_host_rollback_waits_for_a_worker_on_the_store_and_is_refused_without_the_shared_lock(
+        mlflow_server, registered, client_env, monkeypatch, tmp_path, capsys, glyph_root):
+    """Issue 54: two registry writers whose tracking URIs differ, a worker on the PostgreSQL store itself and a
+    reviewer on the host through the server, exclude each other when the host names the store as its lock
+    (`$XBN_LOCK_URI`); without it the host's write is refused in one line, not left to a machine-local lock.
+    The worker is held inside its registry lock at a fault point; the host's rollback is seen waiting on it in
+    pg_locks, then restores the champion the worker replaced."""
+    import time
+
+    import yaml
+
+    from xbn.cli import EXIT_CONFIG, main
+    from xbn.config import load_params
+    from xbn.tracking import Registry
+    from xbn.tracking.history import read_history
+    from xbn.utils.faults import FAULT_DIR_ENV, FAULT_ENV
+
+    params = load_params(ROOT / "params.yaml", [*TINY, f"data.root={glyph_root}", "tracking.enabled=true",
+                                                "registry.promote_with_index=false"])
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
+    registry = Registry(params)
+    before = registry.by_alias("champion").version
+    new = registry.create(registry.get(1).source, {"model_sha256": "e" * 64, "decision": "held"}).version
+    as_account(monkeypatch, "reviewer")
+    rollback = ["registry", "--params", str(path), "rollback", "--reason", "the host's rollback"]
+
+    monkeypatch.delenv("XBN_LOCK_URI")
+    capsys.readouterr()  # MLflow's own lines about the version just created
+    assert main(rollback) == EXIT_CONFIG
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "set $XBN_LOCK_URI (or tracking.lock_uri)" in err, err
+
+    xbn = str(Path(sys.executable).with_name("xbn"))
+    worker_env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_USERNAME",
+                                                                   "MLFLOW_TRACKING_PASSWORD")}
+    worker_env |= {"MLFLOW_TRACKING_URI": mlflow_server.store, FAULT_ENV: "promotion.after_history:wait",
+                   FAULT_DIR_ENV: str(tmp_path)}
+    worker = subprocess.Popen([xbn, "registry", "--params", str(path), "promote", "--model-version", str(new),
+                               "--reason", "the worker's promotion", "--user", "worker"],
+                              env=worker_env, stderr=subprocess.PIPE, text=True)
+    host = None
+    try:
+        reached, deadline = tmp_path / "promotion.after_history.reached", time.monotonic() + 120
+        while not reached.exists():
+            assert worker.poll() is None and time.monotonic() < deadline, worker.stderr.read()
+            time.sleep(0.1)
+        host = subprocess.Popen([xbn, *rollback], env={**os.environ, "XBN_LOCK_URI": mlflow_server.store},
+                                stderr=subprocess.PIPE, text=True)
+        waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        while admin_execute(waiting, dbname=mlflow_server.database)[0][0] == 0:
+            assert host.poll() is None, f"the host did not wait: {host.stderr.read()}"
+            assert time.monotonic() < deadline + 60
+            time.sleep(0.1)
+        assert registry.by_alias("champion").version == before  # the worker's move is not done yet
+        (tmp_path / "promotion.after_history.release").touch()
+        assert worker.wait(timeout=120) == 0, worker.stderr.read()
+        assert host.wait(timeout=120) == 0, host.stderr.read()
+    finally:
+        for proc in (worker, host):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    # One after the other: the worker's promotion, then the host's rollback of it, to the champion it replaced.
+    last = read_history(registry)[-2:]
+    assert [(e.action, e.from_version, e.to_version) for e in last] == [("promote", before, new),
+                                                                       ("rollback", new, before)]
+    assert last[1].undoes == last[0].seq and registry.by_alias("champion").version == before

@@ -145,3 +145,37 @@ def test_registry_commands_give_up_on_a_dead_store_within_seconds(params, action
     assert took < 10, took  # the MLflow client alone would retry for minutes
     err = capsys.readouterr().err
     assert f"xbn registry: the MLflow tracking store {uri} is not reachable" in err and "Traceback" not in err
+
+
+_APPEND = """
+import sys
+from xbn.config import load_params
+from xbn.tracking import Registry
+from xbn.tracking.history import append_history
+append_history(Registry(load_params(sys.argv[1])), by="a", action="promote", from_version=1, to_version=1,
+               reason="the writer that read first")
+"""
+
+
+def test_two_writers_that_read_the_same_last_entry_both_keep_theirs(params, tmp_path):
+    """Two writers meet (one lost its lock with its connection): A reads #1 and is held before it writes (a fault
+    point); B reads #1 and writes #2; A then writes #2 too, reads it back, finds B's, withdraws and appends #3.
+    With one tag per seq, A's write replaced B's entry: a move of the champion gone from its history."""
+    from xbn.tracking.history import append_history
+    from xbn.utils.faults import FAULT_DIR_ENV, FAULT_ENV
+
+    run_pipeline(params, seed=0)  # v1, the champion: entry #1
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params.model_dump(mode="json")))
+    env = {**__import__("os").environ, FAULT_ENV: "history.before_write:wait", FAULT_DIR_ENV: str(tmp_path)}
+    writer = subprocess.Popen([sys.executable, "-c", _APPEND, str(path)], env=env, stderr=subprocess.PIPE, text=True)
+    reached, deadline = tmp_path / "history.before_write.reached", time.monotonic() + 120
+    while not reached.exists():
+        assert writer.poll() is None and time.monotonic() < deadline, writer.stderr and writer.stderr.read()
+        time.sleep(0.1)
+    append_history(Registry(params), by="b", action="promote", from_version=1, to_version=1, reason="second")
+    (tmp_path / "history.before_write.release").touch()
+    assert writer.wait(timeout=120) == 0, writer.stderr.read()
+    log = read_history(Registry(params))
+    assert [(e.seq, e.by) for e in log] == [(1, log[0].by), (2, "b"), (3, "a")]
+    assert "another writer took #2" in writer.stderr.read()

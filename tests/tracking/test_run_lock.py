@@ -120,3 +120,21 @@ def test_a_run_lock_held_by_another_run_meanwhile_is_lost_for_good(params, regis
         with pytest.raises(LockLost, match="another process held it meanwhile"):
             registry.set_tags(1, {"note": "unguarded"})
     assert "note" not in registry.get(1).tags
+
+
+def test_a_tracking_server_without_a_shared_lock_is_refused_and_the_environment_names_the_lock(monkeypatch):
+    """No machine-local stand-in for a server's missing lock (a host's rollback would not exclude a container's
+    register); `$XBN_LOCK_URI` wins over `tracking.lock_uri`, as `$MLFLOW_TRACKING_URI` over `tracking.uri`."""
+    from xbn.config import ConfigError
+    from xbn.tracking.locks import LOCK_URI_ENV, registry_lock
+
+    monkeypatch.delenv(LOCK_URI_ENV, raising=False)
+    with pytest.raises(ConfigError, match=r"^tracking\.lock_uri: the tracking server http://127\.0\.0\.1:1 offers no "
+                                          r"lock.*set \$XBN_LOCK_URI \(or tracking\.lock_uri\)"):
+        with registry_lock("http://127.0.0.1:1", "m", 0):
+            pass
+    require_postgres()
+    monkeypatch.setenv(LOCK_URI_ENV, PG)
+    unreachable = "postgresql+psycopg2://nobody@127.0.0.1:1/none"
+    with registry_lock("http://127.0.0.1:1", f"m-{uuid.uuid4().hex[:8]}", 0, lock_uri=unreachable) as held:
+        assert held is not None  # held in $XBN_LOCK_URI's PostgreSQL; the param's would not even connect

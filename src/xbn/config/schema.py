@@ -451,8 +451,9 @@ class TrackingConfig(Section):
     # How long `register` waits, with backoff, for a store that went down after training (a restart, a
     # failover) before it fails naming it; the checks before any work (train, the flow's start) never wait.
     outage_s: float = Field(120.0, ge=0.0, le=3600.0)
-    # With a tracking server (http), the PostgreSQL that holds the run and registry locks, so that containers
-    # and machines exclude each other ($XBN_LOCK_URI wins; a postgresql:// store holds them itself).
+    # The PostgreSQL that holds the run and registry locks, so that containers, machines and host commands
+    # exclude each other ($XBN_LOCK_URI wins). Needed with a tracking server (http): a registry write is refused
+    # without it; a postgresql:// store holds them itself, a SQLite one next to its file.
     lock_uri: str | None = None
     # How long a second run on the same registered model waits for the first before it refuses to start.
     run_wait_s: float = Field(0.0, ge=0.0, le=86400.0)

@@ -7,9 +7,11 @@ The lock lives where the store is:
   keyed by the registered model's name, held on its own connection and released when that connection ends
   (so a killed holder never leaves it stuck);
 - a tracking server (http): the server offers no lock, so the lock is an advisory lock in the PostgreSQL that
-  `tracking.lock_uri` (or `$XBN_LOCK_URI`) names, shared by every container and machine; without one, only the
-  processes of this machine are serialised, with a file lock in the temp directory keyed by the URI (a warning
-  says so).
+  `$XBN_LOCK_URI` (or else `tracking.lock_uri`) names, shared by every container, machine and host command;
+  without one a registry writer is refused (`ConfigError`, exit 2): a machine-local lock would let a reviewer's
+  rollback on the host interleave with a worker's register.
+A lock URI, when set, holds the locks whatever the store, so a worker on the PostgreSQL store and one through
+the server exclude each other when both name that database (or the server one names the store's).
 
 `run_lock` is the same kind of lock around a whole pipeline execution (the retrain flow, `xbn retrain`,
 `xbn run`, `xbn register`), so that two runs on one registered model never interleave, whatever started them;
@@ -30,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
+from xbn.config.errors import ConfigError
 from xbn.utils.locks import Held, LockTimeout, RunBusy, advisory_key, advisory_lock, file_lock
 from xbn.utils.secrets import mask_secrets
 
@@ -104,16 +107,22 @@ def pipeline_lock(params, what: str):
 def _lock(uri: str, label: str, name: str, timeout: float | None, lock_uri: str | None,
           suffix: str = ".registry.lock"):
     scheme = urlparse(uri).scheme.split("+")[0]
-    if scheme in ("postgresql", "postgres"):
-        return advisory_lock(uri, label, timeout)
-    shared = lock_uri or os.environ.get(LOCK_URI_ENV)
+    shared = lock_uri_of(lock_uri)
     if shared:
         return advisory_lock(shared, label, timeout)
+    if scheme in ("postgresql", "postgres"):
+        return advisory_lock(uri, label, timeout)
     if scheme in ("http", "https"):
-        log.warning("the tracking store %s offers no lock and no tracking.lock_uri (or $%s) names a PostgreSQL "
-                    "to hold one in: %s excludes only the processes of this machine", mask_secrets(uri),
-                    LOCK_URI_ENV, label)
+        raise ConfigError(f"tracking.lock_uri: the tracking server {mask_secrets(uri)} offers no lock, so {label} "
+                          f"needs a PostgreSQL every registry writer shares: set ${LOCK_URI_ENV} (or "
+                          "tracking.lock_uri) to its postgresql:// URL (infra/README.md)")
     return file_lock(_lock_file(uri, scheme, name, suffix), timeout)
+
+
+def lock_uri_of(lock_uri: str | None) -> str | None:
+    """Where the locks live when a URI names it: `$XBN_LOCK_URI`, else `tracking.lock_uri` (the environment
+    wins, as `$MLFLOW_TRACKING_URI` does over `tracking.uri`)."""
+    return os.environ.get(LOCK_URI_ENV) or lock_uri or None
 
 
 def _lock_file(uri: str, scheme: str, name: str, suffix: str = ".registry.lock") -> Path:
