@@ -71,6 +71,8 @@ def _registry(params: Params, args):
         return registry.review(params)
     if args.action == "promote":
         return registry.promote(params, args.model_version, args.reason, user=args.user)
+    if args.action == "abandon":
+        return registry.abandon(params, args.model_version, args.reason, user=args.user)
     return registry.rollback(params, args.reason, user=args.user)
 
 
@@ -416,7 +418,12 @@ def build_parser() -> argparse.ArgumentParser:
     promote.add_argument("--reason", required=True)
     rollback = actions.add_parser("rollback", help="restore the previous champion")
     rollback.add_argument("--reason", required=True)
-    for p in (promote, rollback):
+    abandon = actions.add_parser("abandon", help="give up an unfinished registration that cannot be completed "
+                                                 "(held, never tried again)")
+    abandon.add_argument("--model-version", "--version", dest="model_version", required=True, type=_positive_int,
+                         action=_ModelVersion, metavar="V", help="the registry version to abandon")
+    abandon.add_argument("--reason", required=True)
+    for p in (promote, rollback, abandon):
         p.add_argument("--user", default=None, help="who decides (default: $USER)")
     registry.set_defaults(fn=_registry)
     retrain = sub.add_parser("retrain", parents=[common],

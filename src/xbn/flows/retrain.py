@@ -42,23 +42,20 @@ from prefect.cache_policies import NO_CACHE, CachePolicy
 from prefect.runtime import flow_run, task_run
 
 from xbn.config import ConfigError, Params, load_params
-from xbn.data import DatasetError
+from xbn.stages.loop import transient
 from xbn.stages.names import load_checked
 from xbn.utils.allocator import fix_malloc_thresholds
-from xbn.utils.errors import NonFiniteLossError, ServiceUnavailableError
 from xbn.utils.faults import fault_point
 
 DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00
 
 
 def _transient(task, task_run_, state) -> bool:
-    """Retry unless the failure is the data's or the config's fault."""
+    """Retry unless the failure is the data's, the config's or a model file's own fault (`transient`)."""
     try:
         state.result()
-    except (DatasetError, ConfigError, ValueError, NonFiniteLossError, ServiceUnavailableError):
-        return False
-    except Exception:  # noqa: BLE001 - anything else may be transient (I/O, a service, a killed worker)
-        return True
+    except Exception as exc:  # noqa: BLE001 - anything else may be transient (I/O, a service, a killed worker)
+        return transient(exc)
     return False
 
 
@@ -106,10 +103,25 @@ def snapshot_data(params: Params) -> dict:
 
 
 @task(**TASK_OPTIONS)
-def complete_registrations(params: Params) -> list[dict]:
-    from xbn.stages.register import complete_interrupted
+def interrupted_registrations(params: Params) -> list[int]:
+    from xbn.stages.register import interrupted_versions
 
-    return complete_interrupted(params)  # what a killed run left half registered, finished before the plan
+    return interrupted_versions(params)  # what a killed run left half registered, finished before the plan
+
+
+@task(**TASK_OPTIONS)
+def complete_registration(params: Params, version: int) -> dict:
+    from xbn.stages.register import complete_version
+
+    return complete_version(params, version)
+
+
+@task(**TASK_OPTIONS)
+def abandon_registration(params: Params, version: int, reason: str) -> dict:
+    from xbn.stages.promotion import GATE
+    from xbn.stages.register import abandon
+
+    return abandon(params, version, reason, user=GATE)  # it could not be completed: it never stops a week
 
 
 @task(**TASK_OPTIONS)
@@ -300,9 +312,10 @@ def _retrain(params: Params, params_path: str, overrides: list[str], tune: bool 
         from xbn.stages.loop import RepairSteps, repair
         from xbn.stages.notify import notify
 
-        steps = RepairSteps(complete=complete_registrations, registration=registration_of,
-                            check_index=check_champion_index,
-                            attach_index=lambda p, version: _attach_index(p, params_path, overrides, version))
+        steps = RepairSteps(interrupted=interrupted_registrations, complete=complete_registration,
+                            registration=registration_of, check_index=check_champion_index,
+                            attach_index=lambda p, version: _attach_index(p, params_path, overrides, version),
+                            abandon=abandon_registration)
         for repaired in repair(params, steps):
             logger.warning("registry: %s", repaired.line)
             notify(params, repaired.title, f"Flow run {flow_run.name}: {repaired.line}")

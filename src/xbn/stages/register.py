@@ -147,8 +147,13 @@ def register(params: Params, tags: dict[str, str] | None = None) -> dict:
 # index is attached and verified; until then it is the challenger, tagged `registration: awaiting_index`, and
 # the old champion serves. The `index` stage completes it (`complete_awaiting_index`); a run killed before that
 # is completed by the next one (`complete_interrupted`, after indexing it).
+# A registration that cannot be completed (its checkpoint fails its sha256, its index cannot be built) is
+# `abandoned` (held, with the reason), by the next run's repair or by hand (`xbn registry abandon`), so that it
+# never stops a later week.
 REGISTRATION_TAG = "registration"
 AWAITING_INDEX = "awaiting_index"
+ABANDONED = "abandoned"
+UNFINISHED = ("created", AWAITING_INDEX)
 
 
 def _registered(params: Params, registry: Registry, existing: ModelVersionInfo, trained: Params,
@@ -176,14 +181,41 @@ def complete_interrupted(params: Params) -> list[dict]:
     `registration: awaiting_index`; the caller indexes it, which completes it). The retrain flow runs this before
     its plan: next week's run finishes last week's registration, whatever it then trains (a new training has
     another sha256, so its own register would never find the old one)."""
+    return [complete_version(params, version) for version in interrupted_versions(params)]
+
+
+def interrupted_versions(params: Params) -> list[int]:
+    """The versions whose registration a killed run left unfinished, oldest first."""
     registry = _registry(params, wait_s=params.tracking.outage_s)
-    found = sorted((v for state in ("created", AWAITING_INDEX) for v in registry.client.search_model_versions(
-        f"name = '{registry.name}' and tags.{REGISTRATION_TAG} = '{state}'")), key=lambda v: int(v.version))
-    reports = []
-    for unfinished in found:
-        info = registry.get(unfinished.version)
-        reports.append(_registered(params, registry, info, _trained_of(params, registry, info)))
-    return reports
+    return sorted(int(v.version) for state in UNFINISHED for v in registry.client.search_model_versions(
+        f"name = '{registry.name}' and tags.{REGISTRATION_TAG} = '{state}'"))
+
+
+def complete_version(params: Params, version: int) -> dict:
+    """`complete_interrupted` for one version (the loop's repair abandons the one that cannot be completed)."""
+    registry = Registry(params)
+    info = registry.get(version)
+    return _registered(params, registry, info, _trained_of(params, registry, info, strict=True))
+
+
+def abandon(params: Params, version: int | str, reason: str, user: str | None = None) -> dict:
+    """Give up an unfinished registration that cannot be completed: tagged `registration: abandoned` and held,
+    with the reason, so no later run tries it again. The champion is never abandoned; a finished registration
+    has nothing to abandon (`RegistryError`)."""
+    _require_reason(reason, user)
+    registry = _registry(params)
+    with registry.lock():
+        target = _version(registry, version)
+        state = target.tags.get(REGISTRATION_TAG, "done")
+        champion = registry.by_alias(CHAMPION)
+        if champion is not None and champion.version == target.version:
+            raise RegistryError(f"v{target.version} is the champion: roll back (`xbn registry rollback`) rather "
+                                "than abandon it")
+        if state not in UNFINISHED:
+            raise RegistryError(f"v{target.version}'s registration is {state}, not unfinished: nothing to abandon")
+        registry.set_tags(target.version, {**_stamp("held", f"abandoned: {reason}", _user(user)),
+                                           REGISTRATION_TAG: ABANDONED})
+    return _write_report(params, registry, registry.get(target.version), compared=None, write=False)
 
 
 def complete_awaiting_index(params: Params, version: int) -> dict | None:
@@ -205,13 +237,16 @@ def registration(params: Params, version: int) -> dict:
     return _write_report(params, registry, _version(registry, version), compared=None, write=False)
 
 
-def _trained_of(params: Params, registry: Registry, info: ModelVersionInfo) -> Params:
+def _trained_of(params: Params, registry: Registry, info: ModelVersionInfo, strict: bool = False) -> Params:
     """The params `info`'s model was trained with, as recorded in its registered checkpoint (the card describes
-    them); this call's params if the checkpoint cannot be read back."""
+    them); this call's params if the checkpoint cannot be read back, unless `strict` (a registration completed
+    by a later run: a checkpoint that fails its sha256 is not one to promote)."""
     try:
         with tempfile.TemporaryDirectory(prefix="xbn-complete-") as tmp:
             return trained_params(params, registry.checkpoint(info, tmp).path)[0]
     except IntegrityError as exc:
+        if strict:
+            raise
         log.warning("%s v%s: %s; its card shows this run's params", registry.name, info.version, exc)
         return params
 
