@@ -53,3 +53,12 @@ def test_a_run_that_overrides_the_gate_says_so():
     assert _gate_overrides(weak, str(path)) == [
         "registry.guarded_metrics: ['recall@10', 'map@r', 'r_precision', 'nmi'] -> []",
         "registry.confidence: 0.95 -> 0.01"]
+
+
+def test_what_is_sent_is_masked(receiver, monkeypatch):
+    """An error's text in a title or a body (a store's URI with its password) reaches no chat room in clear."""
+    url, received = receiver
+    monkeypatch.setenv("XBN_NOTIFY_URLS", url)
+    error = "OperationalError: could not connect to postgresql://xbn:hunter2@db:5432/mlflow"
+    assert notify(load_params(ROOT / "params.yaml"), f"xbn retrain FAILED: {error}", f"the run failed: {error}")
+    assert "hunter2" not in str(received) and "postgresql://xbn:***@db:5432/mlflow" in received[0]["message"]

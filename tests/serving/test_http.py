@@ -363,3 +363,22 @@ def test_a_failing_reload_is_logged_once_per_distinct_failure(caplog):
         ("ERROR", "model xbn-embedder@champion: cannot load it, serving nothing: OSError: store down"),
         ("INFO", "serving xbn-embedder version 7 (index of 3) instead of nothing"),
     ]
+
+
+class _StoreDown:
+    """A registry source whose store refuses: its error names the store's URI, password included."""
+
+    def version(self):
+        raise ConnectionError("cannot reach postgresql://xbn:hunter2-secret@db.internal:5432/mlflow")
+
+    def __str__(self):
+        return "registry:xbn-embedder@champion"
+
+
+def test_health_shows_a_failure_only_to_the_token_and_never_its_password():
+    with running(create_app(_StoreDown(), FAST, token="s3cret-token")) as client:
+        anonymous = wait_for(lambda: (h := client.get("/health")).json()["error"] and h)
+        assert anonymous.status_code == 503 and "postgresql" not in anonymous.text
+        assert anonymous.json()["error"].startswith("failing (details with the bearer token")
+        shown = client.get("/health", headers={"Authorization": "Bearer s3cret-token"}).json()["error"]
+        assert shown == "ConnectionError: cannot reach postgresql://xbn:***@db.internal:5432/mlflow"

@@ -54,3 +54,25 @@ def test_a_run_logs_uris_with_their_password_masked(params, caplog):
     assert logged["tune.storage"] == "postgresql://xbn:***@db.internal:5432/optuna"
     assert not [k for k, v in logged.items() if SECRET in v]
     assert SECRET not in caplog.text
+
+
+def test_a_checkpoint_records_the_params_masked(params):
+    """A checkpoint travels with its registered version (any registry reader downloads it): its params record
+    (`_provenance`) and the flat one the resume check reads (`params_record`) hold no password."""
+    from types import SimpleNamespace
+
+    from xbn.training.trainer import Trainer, params_record
+
+    params.tune.storage = f"postgresql://xbn:{SECRET}@db.internal:5432/optuna"
+    recorded = Trainer._provenance(SimpleNamespace(params=params, init_record=None))
+    assert recorded["params"]["tune"]["storage"] == "postgresql://xbn:***@db.internal:5432/optuna"
+    assert SECRET not in str(recorded) and SECRET not in str(params_record(params))
+
+
+def test_an_error_is_written_masked_to_the_stage_record(params, tmp_path):
+    from xbn.config.record import read_record, write_record
+
+    error = f"OperationalError: could not connect to postgresql://xbn:{SECRET}@db:5432/mlflow"
+    write_record(params, "train", "failed", None, None, record_path=tmp_path / "record.yaml", reason=error)
+    assert read_record(tmp_path / "record.yaml")["stages"]["train"]["reason"] == \
+        "OperationalError: could not connect to postgresql://xbn:***@db:5432/mlflow"

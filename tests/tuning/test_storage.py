@@ -80,3 +80,21 @@ def test_a_process_killed_inside_the_journal_lock_does_not_block_the_others(tmp_
                                      done.set()), daemon=True).start()
     assert done.wait(30), "the journal stayed locked after its holder was killed"
     assert len(study.get_trials()) == 2
+
+
+def test_the_environments_storage_wins_and_its_password_is_never_shown(tmp_path, monkeypatch):
+    """$OPTUNA_STORAGE (compose sets it) is read, so a study's password need not sit in params.yaml; an error
+    about it names the variable and masks the password."""
+    cfg = load_params(None, [f"tune.dir={tmp_path}", "tune.storage=journal:from-params.journal"]).tune
+    monkeypatch.setenv("OPTUNA_STORAGE", f"journal:{tmp_path / 'from-env.journal'}")
+    assert resolve_storage(cfg, workers=2).url == f"journal:{tmp_path / 'from-env.journal'}"
+    monkeypatch.setenv("OPTUNA_STORAGE", "sqlite:///study.db")
+    with pytest.raises(ConfigError, match=r"^\$OPTUNA_STORAGE: SQLite is not safe for parallel workers"):
+        resolve_storage(cfg, workers=2)
+    monkeypatch.setenv("OPTUNA_STORAGE", "postgresql://optuna:hunter2@db:notaport/optuna")
+    with pytest.raises(ConfigError, match=r"^\$OPTUNA_STORAGE: 'postgresql://optuna:\*\*\*@db:notaport/optuna' is "
+                                          "neither") as refused:
+        resolve_storage(cfg, workers=2)
+    assert "hunter2" not in str(refused.value)
+    monkeypatch.delenv("OPTUNA_STORAGE")
+    assert resolve_storage(cfg, workers=2).url == "journal:from-params.journal"

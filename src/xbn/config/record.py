@@ -26,6 +26,7 @@ from xbn.config.errors import ConfigError
 from xbn.config.loading import flatten, load_params
 from xbn.config.schema import Params
 from xbn.utils.io import write_text
+from xbn.utils.secrets import mask_secrets
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ def write_record(params: Params, stage: str, status: str, params_file: str | Pat
     entry: dict[str, Any] = {"status": status, "overrides": list(overrides or []),
                              "at": datetime.now(UTC).isoformat(timespec="seconds")}
     if reason:
-        entry["reason"] = reason.splitlines()[0][:300] if reason.strip() else reason
+        entry["reason"] = mask_secrets(reason.splitlines()[0][:300] if reason.strip() else reason)
     out = {"schema": SCHEMA, "params_file": None if params_file is None else str(params_file),
            "stages": {**kept, stage: entry}, "params": params.model_dump(mode="json")}
     write_text(record_path, HEADER + yaml.safe_dump(out, sort_keys=False, width=120))

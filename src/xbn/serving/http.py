@@ -54,6 +54,7 @@ from xbn.serving.limits import RETRY_AFTER_S, Busy, Limits, PixelBudget
 from xbn.serving.model import ServedModel, UnreadableImage, load_served_model
 from xbn.serving.search import neighbours
 from xbn.utils.io import file_digest
+from xbn.utils.secrets import mask_error, mask_secrets
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +248,7 @@ class Holder:
                     return False
                 loaded = self.source.load()
             except Exception as exc:  # noqa: BLE001 -- any failure: keep serving what is loaded, /health shows it
-                error = f"{type(exc).__name__}: {exc}"
+                error = mask_error(exc, limit=1000)
                 # Once per distinct failure: the poll must not repeat it every few seconds (a store down for an
                 # hour, a registry with no challenger yet). No version at all is a state, not a fault.
                 level = (logging.DEBUG if error == self.error
@@ -457,11 +458,20 @@ def create_app(
         loaded, emb = await embedding(image)
         return {**_about(loaded), "dim": int(emb.shape[1]), "embedding": emb[0].tolist()}
 
+    def shown_error(request: Request) -> str | None:
+        # /health answers without the token (a probe has none): the failure's text, which may name a store or a
+        # path, only to a caller with the token (or on an open server), and masked in any case.
+        if holder.error is None:
+            return None
+        if secret is None or _authorised(request, secret):
+            return mask_secrets(holder.error)
+        return "failing (details with the bearer token, or in the server's log)"
+
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         current = holder.current
         if current is None:
-            return JSONResponse({"status": "unavailable", "error": holder.error}, status_code=503)
+            return JSONResponse({"status": "unavailable", "error": shown_error(request)}, status_code=503)
         other = rival.current if rival is not None else None
         other = None if other is not None and other.version == current.version else other
         return {
@@ -472,7 +482,7 @@ def create_app(
             "embedding_dim": current.model.embedding_dim,
             "max_k": cfg.max_k,
             "challenger": _about(other) if other is not None else None,
-            "error": holder.error,
+            "error": shown_error(request),
         }
 
     return app

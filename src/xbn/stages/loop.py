@@ -26,7 +26,7 @@ from xbn.config import ConfigError, Params
 from xbn.data import DatasetError
 from xbn.utils.errors import IntegrityError, NonFiniteLossError, ServiceUnavailableError
 from xbn.utils.locks import LockLost
-from xbn.utils.secrets import mask_secrets
+from xbn.utils.secrets import mask_error
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def repair(params: Params, steps: RepairSteps = RepairSteps()) -> list[Repaired]
         except _STOPS_THE_RUN:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever it is, this version must not stop every later week
-            why = _why(exc)
+            why = mask_error(exc)
             steps.abandon(params, version, f"its interrupted registration could not be completed: {why}")
             repaired.append(Repaired(
                 f"xbn: v{version} registration abandoned",
@@ -159,14 +159,11 @@ def repair(params: Params, steps: RepairSteps = RepairSteps()) -> list[Repaired]
         which = f"v{broken['version']}" if broken else "the champion"
         repaired.append(Repaired(
             f"xbn: champion {which} index not repaired",
-            f"{name} champion {which}'s index could not be checked or rebuilt ({_why(exc)}): it may not serve a "
+            f"{name} champion {which}'s index could not be checked or rebuilt ({mask_error(exc)}): it may not serve a "
             f"search until one is attached (`xbn index --model-version V`); this run goes on"))
     return repaired
 
 
-def _why(exc: BaseException) -> str:
-    first = (str(exc).strip().splitlines() or [""])[0][:300]
-    return mask_secrets(f"{type(exc).__name__}: {first}")
 
 
 __all__ = ["ORDER", "RepairSteps", "Repaired", "repair", "transient"]

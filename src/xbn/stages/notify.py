@@ -14,6 +14,7 @@ import re
 from typing import Any, cast
 
 from xbn.config import Params
+from xbn.utils.secrets import mask_secrets
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ def notification_urls(params: Params) -> list[str]:
 def notify(params: Params, title: str, body: str) -> bool:
     """Send one notification to every configured URL; False (logged, not raised) when none is configured or
     any of them failed."""
+    title, body = mask_secrets(title), mask_secrets(body)  # an error's text may carry a URI with its password
     urls = notification_urls(params)
     if not urls:
         log.info("notify: no URL configured (notify.urls): '%s' not sent", title)

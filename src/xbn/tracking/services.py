@@ -16,25 +16,17 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse, urlsplit, urlunsplit
 
 from xbn.utils.errors import ServiceUnavailableError
-from xbn.utils.secrets import _DATABASE_SCHEMES, MASK, mask_secrets  # noqa: F401 - re-exported
+from xbn.utils.secrets import _DATABASE_SCHEMES, MASK, mask_secrets, mask_values  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-def redact(value: Any) -> Any:
-    """`value` with every string in it passed through `mask_secrets` (mappings and lists recursively)."""
-    if isinstance(value, str):
-        return mask_secrets(value)
-    if isinstance(value, Mapping):
-        return {k: redact(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(redact(v) for v in value)
-    return value
+redact = mask_values  # every string in a value masked (xbn.utils.secrets)
 
 
 def has_password(uri: str) -> bool:

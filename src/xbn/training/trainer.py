@@ -58,6 +58,7 @@ from xbn.utils import distributed
 from xbn.utils.errors import NonFiniteLossError, TrainingStalledError
 from xbn.utils.io import save_torch, write_csv, write_json
 from xbn.utils.runtime import resolve_device, seed_everything
+from xbn.utils.secrets import mask_values
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ MAY_DIFFER_ON_RESUME = {"data.num_workers", "train.checkpoint_dir", "train.metri
 def params_record(params: Params) -> dict:
     """The flattened params as plain JSON values (what a checkpoint stores: `torch.load(weights_only=True)`
     reads it back)."""
-    return json.loads(json.dumps(flatten(params), sort_keys=True, default=str))
+    return mask_values(json.loads(json.dumps(flatten(params), sort_keys=True, default=str)))
 
 
 def params_hash(params: Params) -> str:
@@ -560,7 +561,8 @@ class Trainer:
     def _provenance(self) -> dict:
         """What the registry reads back from model.pt: the params it was trained with (resolved) and their
         hash, so a version's record never depends on the params of the later `register` call."""
-        return {"params": json.loads(json.dumps(self.params.model_dump(mode="json"))),  # nested: lossless
+        # Nested (lossless), every password in a URI masked: a checkpoint travels with the registered version.
+        return {"params": mask_values(self.params.model_dump(mode="json")),
                 "params_hash": params_hash(self.params),
                 # Where the weights started (a fine-tuning): the registry's parent_version comes from here.
                 **({"init": self.init_record} if self.init_record else {})}

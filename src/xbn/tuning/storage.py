@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import importlib.util
 import logging
+import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from optuna.storages.journal._file import BaseJournalFileLock  # the type of loc
 
 from xbn.config import ConfigError, TuneConfig
 from xbn.utils.locks import advisory_lock, file_lock
+from xbn.utils.secrets import mask_secrets
 
 log = logging.getLogger(__name__)
 
@@ -72,18 +74,24 @@ class StorageSpec:
         return make_url(self.url)
 
 
+STORAGE_ENV = "OPTUNA_STORAGE"  # wins over tune.storage, as $MLFLOW_TRACKING_URI over tracking.uri: a password
+# in a URL stays in the environment (infra/compose.yaml sets it), never in params.yaml or a record
+
+
 def resolve_storage(cfg: TuneConfig, workers: int) -> StorageSpec:
-    if cfg.storage is None:
+    storage = os.environ.get(STORAGE_ENV) or cfg.storage
+    if storage is None:
         return StorageSpec(f"{JOURNAL}{Path(cfg.dir) / 'optuna.journal'}" if workers > 1
                            else f"sqlite:///{Path(cfg.dir) / 'optuna.db'}")
-    spec = StorageSpec(cfg.storage)
+    spec = StorageSpec(storage)
+    where = f"${STORAGE_ENV}" if os.environ.get(STORAGE_ENV) else "tune.storage"
     try:
         kind = spec.kind
     except Exception:  # noqa: BLE001 - sqlalchemy's ArgumentError and friends: any unparsable URL
-        raise ConfigError(f"tune.storage: '{cfg.storage}' is neither journal:FILE nor a database URL "
+        raise ConfigError(f"{where}: '{mask_secrets(storage)}' is neither journal:FILE nor a database URL "
                           "(sqlite:///FILE, postgresql://user@host/db)") from None
     if kind == "sqlite" and workers > 1:
-        raise ConfigError("tune.storage: SQLite is not safe for parallel workers; use journal:FILE (one "
+        raise ConfigError(f"{where}: SQLite is not safe for parallel workers; use journal:FILE (one "
                           "machine) or postgresql://... (several), or leave tune.storage null")
     return _with_installed_driver(spec)
 
