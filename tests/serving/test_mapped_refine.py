@@ -133,7 +133,7 @@ def test_a_store_that_does_not_match_its_index_is_refused_by_name(built, tmp_pat
         fh.truncate(store.stat().st_size - 1024)
     with pytest.raises(StoreMismatch, match=rf"{store}: .* bytes, .* expected .*truncated"):
         open_store(store, *x.shape)
-    with pytest.raises(IndexMismatch, match=f"{store} is not the file index.json records"):
+    with pytest.raises(IndexMismatch, match=f"index file {store}: its sha256 is .* is what .*index.json records"):
         CatalogueIndex.load(store.parent)
 
     # A folder whose index.json does not vouch for the store (a hand-made one) still gets the store's own check.

@@ -100,3 +100,29 @@ def test_an_interrupted_promotion_without_its_index_stays_waiting_until_indexed(
     assert state(served)["champion"] == 1  # the old champion serves meanwhile
     index_version(served, 2)  # what the retrain flow does with it (its own checkpoint, not models/model.pt)
     assert state(served)["champion"] == 2 and complete_interrupted(served) == []
+
+
+def test_promote_and_rollback_check_every_file_a_new_server_would_load(served, tmp_path):
+    """index.json intact but a file it names altered in the artifact store, or the checkpoint altered: a new
+    server could not load it, so it is refused before any write (the old check read index.json only)."""
+    from xbn.tracking import Registry, file_digest
+
+    run_pipeline(served, seed=0, blind=True)
+    index(served)
+    run_pipeline(served, seed=3, blind=True)  # v2, rejected
+    index_version(served, 2)
+    v2 = Registry(served).get(2)
+    stored = [p for p in (tmp_path / "mlruns").rglob("ids.parquet") if v2.tags["index_sha256"] in str(p)]
+    assert len(stored) == 1, stored
+    original = stored[0].read_bytes()
+    stored[0].write_bytes(original + b"\0")
+    with pytest.raises(RegistryError, match=r"v2 has an index that fails its sha256 .*ids.parquet"):
+        promote(served, 2, "I prefer it", user="alice")
+    stored[0].write_bytes(original)
+    checkpoint = [p for p in (tmp_path / "mlruns").rglob("model.pt") if file_digest(p) == v2.tags["model_sha256"]]
+    data = bytearray(checkpoint[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    checkpoint[0].write_bytes(bytes(data))
+    with pytest.raises(RegistryError, match=r"v2 has a checkpoint that fails its sha256"):
+        promote(served, 2, "I prefer it", user="alice")
+    assert state(served)["champion"] == 1 and len(state(served)["history"]) == 1

@@ -39,6 +39,8 @@ from xbn.config.schema import IndexType
 from xbn.evaluation.knn import as_float32_matrix, knn_search
 from xbn.serving.mapped_refine import MappedRefine, StoreMismatch, open_store
 from xbn.serving.model import ServedModel
+from xbn.utils.errors import IntegrityError
+from xbn.utils.integrity import verify_listed
 from xbn.utils.io import atomic_path, file_digest, write_json
 
 log = logging.getLogger(__name__)
@@ -428,12 +430,11 @@ class CatalogueIndex:
             raise IndexMismatch(
                 f"{directory / META_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}"
             )
-        for name, digest in meta.get("sha256", {}).items():
-            if file_digest(directory / name) != digest:
-                raise IndexMismatch(
-                    f"{directory / name} is not the file {META_FILE} records (sha256 differs): "
-                    "a write was interrupted or the folder was altered; rebuild the index"
-                )
+        try:
+            verify_listed(directory, meta.get("sha256", {}), str(directory / META_FILE))
+        except IntegrityError as exc:
+            raise IndexMismatch(f"{exc} (a write was interrupted or the folder was altered; rebuild the index)"
+                                ) from None
         # An on-disk index (xbn.serving.shards) memory-maps the .ivfdata beside it, wherever the folder now is,
         # and its re-rank store (REFINE_FILE, when it has one).
         flags = faiss.IO_FLAG_ONDISK_SAME_DIR if meta.get("ondisk") else 0

@@ -39,7 +39,7 @@ from xbn.tracking.locks import DEFAULT_TIMEOUT_S, registry_lock
 from xbn.tracking.pyfunc import CHECKPOINT_ARTIFACT
 from xbn.tracking.runs import DATA_ARTIFACTS, PipelineRun, configure, metric_key, metric_name
 from xbn.utils.errors import IntegrityError
-from xbn.utils.integrity import verify_file, write_sidecar
+from xbn.utils.integrity import verify_file, verify_listed, write_sidecar
 from xbn.utils.locks import Held
 from xbn.utils.secrets import mask_secrets
 
@@ -321,29 +321,32 @@ class Registry:
         return path
 
     def index_problem(self, version: ModelVersionInfo) -> str | None:
-        """Why `version` could not serve its index (None: it can): none attached, or its index.json missing
-        or not the one the tag names. Reads index.json only (the loader checks the other files against it),
-        so a weekly check of a large catalogue's index downloads kilobytes."""
+        """Why `version` could not serve (None: it can), checked as a new server would load it: no index
+        attached; its index folder missing, or any of its files not the one the tag and its index.json name;
+        its checkpoint missing or failing its sha256. Downloads the whole index and the checkpoint: a champion
+        is what a fresh server can load, so promote, rollback and the weekly repair all pay for it."""
+        import json
         import tempfile
 
         from mlflow.exceptions import MlflowException
 
-        expected = version.tags.get(INDEX_SHA_TAG)
-        if not expected:
+        if not version.tags.get(INDEX_SHA_TAG):
             return "has no index attached"
-        listed = {f.path for f in self.client.list_logged_model_artifacts(self._logged_model(version),
-                                                                          INDEX_ARTIFACT)}
-        folder = f"{INDEX_ARTIFACT}/{expected}" if f"{INDEX_ARTIFACT}/{expected}" in listed else INDEX_ARTIFACT
         with tempfile.TemporaryDirectory(prefix="xbn-index-check-") as tmp:
             try:
-                path = Path(mlflow.artifacts.download_artifacts(
-                    artifact_uri=f"models:/{self.name}/{version.version}/{folder}/{INDEX_META}", dst_path=tmp,
-                    tracking_uri=self.uri))
-                verify_file(path, expected, what=f"the index of {self.name} v{version.version}")
+                folder = self.fetch_index(version, Path(tmp) / "index")
+                verify_listed(folder, json.loads((folder / INDEX_META).read_text()).get("sha256", {}),
+                              f"{INDEX_META} of {self.name} v{version.version}")
             except (MlflowException, OSError) as exc:  # absent from the artifact store
                 return f"has lost its index ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
-            except IntegrityError as exc:
+            except (IntegrityError, ValueError) as exc:
                 return f"has an index that fails its sha256 ({exc})"
+            try:
+                self.checkpoint(version, Path(tmp) / "checkpoint")
+            except (MlflowException, OSError) as exc:
+                return f"has lost its checkpoint ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+            except (IntegrityError, ValueError) as exc:
+                return f"has a checkpoint that fails its sha256 ({exc})"
         return None
 
     def run_artifact(self, run_id: str | None, path: str, dst_dir: str | Path) -> Path | None:

@@ -38,6 +38,17 @@ def verify_file(path: str | Path, expected_sha256: str, what: str = "model file"
     return actual
 
 
+def verify_listed(directory: str | Path, digests: dict[str, str], listed_in: str) -> None:
+    """Check every file `digests` names under `directory` (a catalogue index's `index.json`: `listed_in`);
+    `IntegrityError` naming the first that is missing or differs."""
+    directory = Path(directory)
+    for name, digest in digests.items():
+        path = directory / name
+        if not path.is_file():
+            raise IntegrityError(f"{path} is missing: {listed_in} names it; rebuild the index")
+        verify_file(path, digest, what="the index file", recorded=f"is what {listed_in} records")
+
+
 def write_sidecar(path: str | Path) -> Path:
     """Write `<path>.sha256` for the file at `path` as it is on disk now (atomically); returns the sidecar."""
     path = Path(path)
