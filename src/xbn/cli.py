@@ -81,6 +81,7 @@ def _retrain(params: Params, args) -> Report | None:
     from xbn.data.snapshot import check_versioning
 
     check_versioning(params)  # before Prefect starts its server: a missing DVC project fails in a second
+    from xbn.flows import prefect_api
     from xbn.flows.retrain import DEFAULT_CRON, retrain
 
     tune = True if args.tune else None
@@ -88,7 +89,8 @@ def _retrain(params: Params, args) -> Report | None:
         retrain.serve(name="xbn-weekly-retrain", cron=args.cron or DEFAULT_CRON, limit=1,
                       parameters={"params_path": args.params, "overrides": args.overrides, "tune": tune})
         return None
-    result = retrain(args.params, args.overrides, tune, args.force)
+    with prefect_api():
+        result = retrain(args.params, args.overrides, tune, args.force)
     lines = [f"plan: {result['plan']['reason']}"]
     if decision := result.get("decision"):
         lines.append(f"registry: {decision['model_name']} v{decision['version']} {decision['decision']}: "
@@ -102,9 +104,11 @@ def _catalogue(params: Params, args) -> dict:
 
     check_source(params)  # no catalogue, no registry or no champion: fail before Prefect starts
     target_version(params, args.model_version)
+    from xbn.flows import prefect_api
     from xbn.flows.catalogue import catalogue
 
-    report = catalogue(args.params, args.overrides, args.model_version, args.address)
+    with prefect_api():
+        report = catalogue(args.params, args.overrides, args.model_version, args.address)
     embedded = report.pop("embedded")
     report["shards_embedded"] = len(embedded)
     report["images_embedded"] = sum(r.get("written", 0) for r in embedded)

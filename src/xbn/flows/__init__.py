@@ -2,7 +2,11 @@
 schedule), `catalogue` (the catalogue on Dask) and `tune` (an Optuna study). prefect.yaml's entrypoints are the
 thin files in the project's pipelines/ folder, which import them from here."""
 
+import contextlib
 import os
+from collections.abc import Iterator
+
+from xbn.utils.errors import ServiceUnavailableError
 
 # Before Prefect is imported by any flow module:
 # - its ephemeral server's analytics print a "database is locked" traceback per run;
@@ -12,3 +16,19 @@ import os
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+
+
+@contextlib.contextmanager
+def prefect_api() -> Iterator[None]:
+    """Around a flow call: an ephemeral Prefect API that did not start in time (a busy machine) is one line naming
+    the ways out (exit 4, as any service the run needs), not Prefect's traceback."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if "ephemeral Prefect API server" not in str(exc):
+            raise
+        limit = os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "?")
+        raise ServiceUnavailableError(
+            f"the Prefect API did not start: Prefect's ephemeral server was not up within {limit} s (a busy "
+            "machine?). Set PREFECT_API_URL to a running Prefect server (`prefect server start`, or the compose "
+            "stack's: infra/README.md), or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") from None
