@@ -179,3 +179,38 @@ def test_two_writers_that_read_the_same_last_entry_both_keep_theirs(params, tmp_
     log = read_history(Registry(params))
     assert [(e.seq, e.by) for e in log] == [(1, log[0].by), (2, "b"), (3, "a")]
     assert "another writer took #2" in writer.stderr.read()
+
+
+def _killed_rollback(params, tmp_path) -> None:
+    """v1 champion, v2 promoted by hand; then `xbn registry rollback` SIGKILLed between its history entry and
+    its alias move (fault point rollback.after_history)."""
+    from xbn.utils.faults import FAULT_ENV
+
+    _three_versions(params)
+    promote(params, 2, "by hand", user="alice")
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params.model_dump(mode="json")))
+    done = subprocess.run([sys.executable, "-m", "xbn.cli", "registry", "--params", str(path), "rollback",
+                           "--reason", "regression", "--user", "bob"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**__import__("os").environ, FAULT_ENV: "rollback.after_history:kill"}, timeout=300)
+    assert done.returncode == -9, done.stderr[-2000:]
+    log = read_history(Registry(params))
+    assert log[-1].action == "rollback" and _champion(params) == 2  # logged, alias not moved
+
+
+def test_a_rollback_killed_before_its_alias_moved_is_finished_by_its_retry(params, tmp_path):
+    _killed_rollback(params, tmp_path)
+    report = rollback(params, "regression, again", user="bob")  # refused before: 'moved outside xbn'
+    assert report["champion_version"] == 1 and _champion(params) == 1
+    log = read_history(Registry(params))
+    assert [(e.action, e.from_version, e.to_version, e.by) for e in log[-2:]] == [
+        ("promote", 1, 2, "alice"), ("rollback", 2, 1, "bob")]  # the one rollback, not a second
+
+
+def test_the_next_runs_repair_finishes_a_logged_move_whose_alias_never_moved(params, tmp_path):
+    from xbn.stages.loop import repair
+
+    _killed_rollback(params, tmp_path)
+    repaired = repair(params)  # (then it indexes the champion: these tests' registry has no index attached)
+    assert repaired[0].title == "xbn: champion v1 restored from its history"
+    assert _champion(params) == 1 and "restored" not in str([r.title for r in repair(params)])

@@ -61,6 +61,12 @@ def _retried(step: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _finish_move(params: Params) -> dict | None:
+    from xbn.stages.register import finish_champion_move
+
+    return finish_champion_move(params)
+
+
 def _interrupted(params: Params) -> list[int]:
     from xbn.stages.register import interrupted_versions
 
@@ -105,6 +111,7 @@ class RepairSteps:
     """How each repair step runs: in-process by default; the flow passes its Prefect tasks (retried), and an
     index over the whole catalogue where the champion serves one."""
 
+    finish_move: Callable[[Params], dict | None] = _finish_move
     interrupted: Callable[[Params], list[int]] = _interrupted
     complete: Callable[[Params, int], dict] = _complete
     registration: Callable[[Params, int], dict] = _registration
@@ -126,6 +133,11 @@ def repair(params: Params, steps: RepairSteps = RepairSteps()) -> list[Repaired]
 
     repaired = []
     name = params.registry.model_name
+    if moved := steps.finish_move(params):  # logged, alias not moved: the log is what was decided
+        repaired.append(Repaired(
+            f"xbn: champion v{moved['to_version']} restored from its history",
+            f"the {moved['action']} #{moved['seq']} of {name} (v{moved['from_version']} -> v{moved['to_version']}) "
+            "was logged but its alias never moved (a process killed between the two): moved now"))
     for version in steps.interrupted(params):
         try:
             done = steps.complete(params, version)

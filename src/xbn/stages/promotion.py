@@ -308,6 +308,22 @@ def make_champion(registry: Registry, version: int, champion: ModelVersionInfo |
         registry.remove_alias(CHALLENGER)
 
 
+def finish_logged_move(registry: Registry, history: list[ChampionChange] | None = None) -> ChampionChange | None:
+    """The champion history's last move, when it was logged but the alias never followed (a process killed
+    between the two writes: `promotion.after_history`): the alias moves now, as logged. Returns that entry, or
+    None when the alias is where the log says. The caller holds the registry lock."""
+    history = read_history(registry) if history is None else history
+    champion = registry.by_alias(CHAMPION)
+    last = history[-1] if history else None
+    if last is None or champion is None or last.from_version != champion.version or last.to_version == \
+            champion.version:
+        return None
+    log.warning("%s: history #%d (%s v%s -> v%s) was logged but the champion alias never moved: moving it now",
+                registry.name, last.seq, last.action, last.from_version, last.to_version)
+    registry.set_alias(CHAMPION, last.to_version)
+    return last
+
+
 def rollback_target(history: list[ChampionChange], champion: int | None, model_name: str) -> ChampionChange:
     """The history entry a rollback reverts: the last move to a champion that no later rollback undid. Its
     `from_version` is what the rollback restores, so v1 stays reachable after v2 -> v3 -> rollback -> rollback

@@ -45,6 +45,7 @@ from xbn.stages.promotion import (
     Comparison,
     Decision,
     Gate,
+    finish_logged_move,
     gate_settings,
     make_champion,
     rollback_target,
@@ -184,6 +185,16 @@ def complete_interrupted(params: Params) -> list[dict]:
     return [complete_version(params, version) for version in interrupted_versions(params)]
 
 
+def finish_champion_move(params: Params) -> dict | None:
+    """The champion history's last move, completed if a killed process logged it but never moved the alias
+    (`finish_logged_move`); None when there was nothing to finish."""
+    registry = _registry(params, wait_s=params.tracking.outage_s)
+    with registry.lock():
+        done = finish_logged_move(registry)
+    return None if done is None else {"seq": done.seq, "action": done.action, "from_version": done.from_version,
+                                      "to_version": done.to_version, "model_name": registry.name}
+
+
 def interrupted_versions(params: Params) -> list[int]:
     """The versions whose registration a killed run left unfinished, oldest first."""
     registry = _registry(params, wait_s=params.tracking.outage_s)
@@ -314,6 +325,7 @@ def promote(params: Params, version: int | str, reason: str, user: str | None = 
     _require_reason(reason, user)
     registry = _registry(params)
     with registry.lock():  # the champion read here is still the champion when the alias moves
+        finish_logged_move(registry)  # a move killed between its history entry and its alias
         target = _version(registry, version)
         champion = registry.by_alias(CHAMPION)
         if champion is not None and champion.version == target.version:
@@ -333,15 +345,20 @@ def rollback(params: Params, reason: str, user: str | None = None) -> dict:
     _require_reason(reason, user)
     registry = _registry(params)
     with registry.lock():
-        champion = registry.by_alias(CHAMPION)
-        reverted = rollback_target(read_history(registry), champion.version if champion else None,
-                                   registry.name)
-        previous, who = reverted.from_version, _user(user)
-        assert champion is not None and previous is not None  # else rollback_target raised
-        _require_index(params, registry, registry.get(previous))
-        append_history(registry, by=who, action="rollback", from_version=champion.version, to_version=previous,
-                       reason=reason, undoes=reverted.seq)
-        registry.set_alias(CHAMPION, previous)
+        pending = finish_logged_move(registry)  # a rollback killed before its alias moved: this retry ends it
+        if pending is not None and pending.action == "rollback":
+            previous, who, champion = pending.to_version, pending.by, registry.get(pending.from_version)
+        else:
+            champion = registry.by_alias(CHAMPION)
+            reverted = rollback_target(read_history(registry), champion.version if champion else None,
+                                       registry.name)
+            previous, who = reverted.from_version, _user(user)
+            assert champion is not None and previous is not None  # else rollback_target raised
+            _require_index(params, registry, registry.get(previous))
+            append_history(registry, by=who, action="rollback", from_version=champion.version,
+                           to_version=previous, reason=reason, undoes=reverted.seq)
+            fault_point("rollback.after_history")
+            registry.set_alias(CHAMPION, previous)
         registry.set_tags(champion.version, _stamp("rolled_back", reason, who))
         registry.set_tags(int(previous),
                           _stamp("restored", f"rollback of v{champion.version}: {reason}", who))
