@@ -763,12 +763,12 @@ def main(argv: list[str] | None = None) -> Path:
         parts.append(text.rstrip("\n") + "\n" + verdict_summary.section_targets(found))
         targets.extend(found)
     mechanism = [d for p in sorted(RESULTS_DIR.glob("mech_b*.json")) if (d := _load(p.stem))]
-    if mechanism or (collapse := _load("grid_collapse")):  # section 15: issue 52's collapse of the memory
+    grids = [d for name in ("grid_collapse", "grid_fix") if (d := _load(name))]  # oldest first
+    if mechanism or grids:  # section 15: issue 52's collapse of the memory
         from benchmarks import collapse_study
 
-        collapse = _load("grid_collapse")
-        text, found = collapse_study.render(mechanism, collapse, _header, paired_difference)
-        found = verdict_summary.annotate(found, collapse, text) if collapse else found
+        text, found = collapse_study.render(mechanism, grids, _header, paired_difference)
+        found = verdict_summary.annotate(found, grids[-1], text) if grids else found
         parts.append(text.rstrip("\n") + ("\n" + verdict_summary.section_targets(found) if found else "\n"))
         targets.extend(found)
     intro = ["# Benchmarks", "",
