@@ -1,5 +1,6 @@
 """Constants shared by tests in several folders (importable because pytest puts tests/ on sys.path)."""
 
+import socket
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,3 +76,10 @@ def fresh_environment(venv: Path, with_pip: bool = False) -> Path:
     missing = subprocess.run([str(python), "-c", "import xbn"], capture_output=True, text=True, cwd=venv)
     assert missing.returncode != 0 and "No module named 'xbn'" in missing.stderr, missing.stderr
     return python
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on once this returns (the OS picked it and the socket is closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -19,8 +19,7 @@ from benchmarks.bigindex_bench import (
     write_shards,
 )
 
-from bench.test_report import PROVENANCE, _unexplained
-from bench.test_serving_bench import _p99
+from bench.support import PROVENANCE, _p99, _unexplained
 
 
 def test_shards_are_unit_rows_drawn_from_their_own_seed(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from benchmarks import catalogue_bench, report
 
-from .test_report import PROVENANCE, _iqr, _unexplained
+from bench.support import PROVENANCE, _iqr, _unexplained
 
 RESULT = {
     "settings": {"images": 4000, "rounds": 3, "backbone": "tf_efficientnet_lite0", "embedding_dim": 512,

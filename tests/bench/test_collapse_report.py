@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from benchmarks import collapse_study, report
 
-from bench.test_report import PROVENANCE
+from bench.support import PROVENANCE
 
 
 def _grid(name, arms):

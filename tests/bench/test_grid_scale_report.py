@@ -9,7 +9,7 @@ import statistics
 from benchmarks import report
 from benchmarks.grid import aggregate, scale_of
 
-from bench.test_report import PROVENANCE, _unexplained
+from bench.support import PROVENANCE, _unexplained
 
 R1 = {("none", 16): [0.70, 0.72, 0.71], ("axbn", 16): [0.74, 0.75, 0.745],
       ("none", 32): [0.73, 0.735, 0.725], ("axbn", 32): [0.75, 0.74, 0.76],

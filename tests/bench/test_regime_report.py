@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from benchmarks import report
 
-from bench.test_report import PROVENANCE, _unexplained
+from bench.support import PROVENANCE, _unexplained
 
 
 def _run(method, seed, r1):

@@ -11,7 +11,7 @@ import pytest
 from benchmarks import report, serving_bench
 from benchmarks.serving_bench import choose_nprobe, combine, quantile_interval
 
-from bench.test_report import PROVENANCE, _unexplained
+from bench.support import PROVENANCE, _p99, _unexplained
 
 
 def test_median_interval_from_the_binomial_by_hand():
@@ -41,11 +41,6 @@ def test_combine_needs_every_condition():
     assert combine("met", "met") == "met"
     assert combine("met", "inconclusive") == "inconclusive"
     assert combine("inconclusive", "missed") == "missed" and combine("met", "missed") == "missed"
-
-
-def _p99(low, high):
-    return {"p50": 5.0, "mean": 6.0, "n": 1000, "p99": {"value": (low + high) / 2, "low": low, "high": high,
-                                                        "ranks": [984, 996], "n": 1000, "clipped": False}}
 
 
 SERVING = {

@@ -3,8 +3,8 @@ of it is; interval() is the median and interquartile range (numpy's linear inter
 
 from __future__ import annotations
 
-import pytest
 import numpy as np
+import pytest
 from benchmarks.verdicts import INCONCLUSIVE, MET, MISSED, interval, median_interval, verdict
 
 

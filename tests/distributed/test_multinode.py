@@ -7,15 +7,14 @@ import torch, and pytest-xdist's groups cannot keep two tests that share them on
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tests_support import ROOT, TINY, free_port
 
-from tests_support import ROOT, TINY
 from xbn.cli import EXIT_CONFIG, main
 from xbn.training.replicas import state_digest
 
@@ -25,12 +24,6 @@ pytestmark = pytest.mark.slow
 # global batch: both must be the same on every rank for the runs to agree. 2 epochs (1 warm-up): the warm-up ->
 # main switch re-wraps the model in DDP.
 RUN = ["memory.method=axbn", "memory.size=36", "train.epochs=1", "train.drift_every=0"]  # off under DDP
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_train(cwd: Path, overrides: list[str], *flags: str) -> subprocess.Popen:

@@ -4,7 +4,6 @@ on the project's machines). PostgreSQL is the local server at 127.0.0.1:5432 (tr
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 import urllib.error
@@ -12,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from tests_support import free_port  # noqa: F401 - the infra tests import it from here
 
 PG_HOST, PG_PORT, PG_USER = "127.0.0.1", 5432, "postgres"
 
@@ -45,12 +45,6 @@ def admin_execute(*statements: str, dbname: str = "postgres") -> list[tuple]:
             return rows
     finally:
         conn.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
@@ -101,3 +95,7 @@ def env_example() -> dict[str, str]:
             key, _, value = line.partition("=")
             values[key.strip()] = value.strip()
     return values
+
+
+# The Prefect server keeps its concurrency leases on disk (compose, and the live test that restarts a server).
+LEASE_STORAGE = "prefect.server.concurrency.lease_storage.filesystem"

@@ -13,7 +13,7 @@ import yaml
 
 from tests_support import ROOT
 
-from .support import env_example
+from .support import LEASE_STORAGE, env_example
 
 INFRA = ROOT / "infra"
 COMPOSE_TEXT = (INFRA / "compose.yaml").read_text()
@@ -206,8 +206,6 @@ def test_prefect_server_and_worker():
                         env["PREFECT_API_DATABASE_CONNECTION_URL"])
     assert SERVICES["prefect-server"]["command"][:3] == ["prefect", "server", "start"]
     # The leases survive a restart (the live test restarts a server configured the same way).
-    from infra.test_prefect_server import LEASE_STORAGE
-
     assert env["PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"] == LEASE_STORAGE
     assert f"prefect-home:{env['PREFECT_HOME']}" in SERVICES["prefect-server"]["volumes"]
 

@@ -26,12 +26,11 @@ import pytest
 
 from tests_support import ROOT, TINY
 
-from .support import admin_execute, free_port, require_postgres, stop, tail, wait_http
+from .support import LEASE_STORAGE, admin_execute, free_port, require_postgres, stop, tail, wait_http
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("prefect-server")]
 
 AUTH = "admin:s3cret-for-the-test"
-LEASE_STORAGE = "prefect.server.concurrency.lease_storage.filesystem"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,8 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-
-from tests_support import ROOT
+from tests_support import ROOT, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -43,12 +41,6 @@ def glyph_images(tmp_path_factory) -> Path:
     root = generate_glyphs(tmp_path_factory.mktemp("catalogue") / "glyphs", classes=IMAGES[0],
                            images_per_class=IMAGES[1], image_size=32, seed=0)
     return root / "images"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +97,8 @@ def registered_project(tmp_path: Path, monkeypatch, source: str):
     champion (a tiny real model); returns the params."""
     from tracking.helpers import run_pipeline, write_manifest
 
-    from xbn.stages.index import index
-
     from xbn.config import load_params
+    from xbn.stages.index import index
     from xbn.tracking import PARENT_RUN_ENV
 
     monkeypatch.chdir(tmp_path)
@@ -153,8 +144,8 @@ def kill_mid_shard(embeddings: Path, pids: dict, timeline: dict, stop: threading
 
 def test_a_worker_killed_mid_shard_costs_only_its_progress(cluster, prefect_harness, glyph_images, champion,
                                                            tmp_path):
-    from xbn.flows.catalogue import catalogue
     from xbn.cli import main
+    from xbn.flows.catalogue import catalogue
     from xbn.serving.embed_job import read_embeddings
     from xbn.serving.index import CatalogueIndex, unit_rows
     from xbn.serving.sources import read_source

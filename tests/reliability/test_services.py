@@ -12,16 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+from tests_support import free_port
 
 from xbn.cli import EXIT_SERVICE, main
 from xbn.tracking.services import Retrying, check_reachable, retry, wait_reachable
 from xbn.utils.errors import ServiceUnavailableError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +29,7 @@ def _no_env_store(monkeypatch):
     "postgresql://postgres:not-the-password@127.0.0.1:{port}/postgres",
 ], ids=["server", "postgresql"])
 def test_train_fails_fast_naming_the_unreachable_store(params_file, capsys, uri):
-    uri = uri.format(port=_free_port())
+    uri = uri.format(port=free_port())
     params = params_file("tracking.enabled=true", f"tracking.uri={uri}")
     start = time.monotonic()
     code = main(["train", "--params", str(params), "-q"])
@@ -50,7 +45,7 @@ def test_train_fails_fast_naming_the_unreachable_store(params_file, capsys, uri)
 def test_retrain_flow_checks_the_store_before_any_task(params_file):
     from xbn.flows.retrain import retrain
 
-    uri = f"http://127.0.0.1:{_free_port()}"
+    uri = f"http://127.0.0.1:{free_port()}"
     params = params_file("tracking.enabled=true", f"tracking.uri={uri}")
     with pytest.raises(ServiceUnavailableError, match=uri):
         retrain.fn(str(params))  # the flow's body: the check runs before prepare
@@ -86,14 +81,14 @@ def test_transient_errors_are_retried_with_backoff_and_others_are_not(caplog):
         retry(broken, base_delay=0.01)
     assert len(calls) == 1
     with pytest.raises(ConnectionError):  # still down after the last attempt: the error surfaces
-        Retrying(socket, attempts=2, base_delay=0.01).create_connection(("127.0.0.1", _free_port()), 1)
+        Retrying(socket, attempts=2, base_delay=0.01).create_connection(("127.0.0.1", free_port()), 1)
 
 
 def test_epoch_logging_survives_a_store_that_went_down(monkeypatch, caplog):
     from xbn.tracking import PipelineRun, epoch_logger
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # MLflow's own retries: minutes
-    uri = f"http://127.0.0.1:{_free_port()}"
+    uri = f"http://127.0.0.1:{free_port()}"
     run = PipelineRun("0" * 32, "0", uri, "", resumed=False)
     log_epoch = epoch_logger(run)
     start = time.monotonic()
@@ -144,7 +139,7 @@ def test_a_server_uri_with_user_and_password_is_reachable_and_the_password_never
 
 def test_cli_names_a_server_with_credentials_without_its_password(params_file, capsys):
     # The same URI whose server is down: exit 4 naming it, masked, and no password anywhere in the output.
-    uri = f"http://user:{PASSWORD}@127.0.0.1:{_free_port()}"
+    uri = f"http://user:{PASSWORD}@127.0.0.1:{free_port()}"
     params = params_file("tracking.enabled=true", f"tracking.uri={uri}")
     assert main(["train", "--params", str(params), "-q"]) == EXIT_SERVICE
     out = capsys.readouterr()
@@ -154,7 +149,7 @@ def test_cli_names_a_server_with_credentials_without_its_password(params_file, c
 def test_a_store_that_blinks_is_waited_for_and_one_that_stays_down_is_named_after_the_wait(caplog):
     # Issue 40: MLflow down for a moment mid-register failed the whole week (ServiceUnavailableError is not
     # retried). A real server that comes up after the first attempt, bound on the port the check was refused on.
-    port = _free_port()
+    port = free_port()
     server = None
 
     def start_later():
@@ -173,5 +168,5 @@ def test_a_store_that_blinks_is_waited_for_and_one_that_stays_down_is_named_afte
 
     start = time.monotonic()
     with pytest.raises(ServiceUnavailableError, match=r"still down after waiting 2 s: tracking.outage_s"):
-        wait_reachable(f"http://127.0.0.1:{_free_port()}", wait_s=2)
+        wait_reachable(f"http://127.0.0.1:{free_port()}", wait_s=2)
     assert 1.9 < time.monotonic() - start < 10

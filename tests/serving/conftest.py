@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 from serving_support import CLASSES, IMAGE_SIZE, PER_CLASS, draw, save_tiny_model
+
+from xbn.serving.index import IndexConfig, build_catalogue
+from xbn.serving.model import load_served_model
+from xbn.serving.sources import read_source
 
 
 @pytest.fixture(scope="session")
@@ -62,3 +67,18 @@ def one_faiss_thread():
     faiss.omp_set_num_threads(1)
     yield
     faiss.omp_set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def versions(model_path, other_model_path, image_root, tmp_path_factory):
+    """Two 'versions': each a checkpoint and the catalogue index it built, in folders of their own."""
+    frame, root = read_source(image_root / "manifest.csv")
+    out = {}
+    for name, path in (("a", model_path), ("b", other_model_path)):
+        folder = tmp_path_factory.mktemp(f"version_{name}")
+        shutil.copy(path, folder / "model.pt")
+        build_catalogue(load_served_model(path, IMAGE_SIZE), frame, root, IndexConfig()).save(
+            folder / "index"
+        )
+        out[name] = folder
+    return out

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 from PIL import Image
+
+from xbn.serving.http import LocalModelSource
+from xbn.serving.index import CatalogueIndex
 
 IMAGE_SIZE = 32
 CLASSES, PER_CLASS = 6, 4
@@ -63,3 +70,55 @@ def wait_for(predicate, timeout: float = 20.0):
             return value
         time.sleep(0.05)
     raise AssertionError("condition not reached in time")
+
+
+def install(version: Path, where: Path) -> None:
+    """Put a version's files at the served paths, each replaced atomically, as the stages write them."""
+    (where / "index").mkdir(parents=True, exist_ok=True)
+    for rel in ("index/index.faiss", "index/ids.parquet", "index/index.json", "model.pt"):
+        tmp = where / f"{rel}.incoming"
+        shutil.copy(version / rel, tmp)
+        os.replace(tmp, where / rel)
+
+
+def local_source(where: Path) -> LocalModelSource:
+    return LocalModelSource(where / "model.pt", where / "index", IMAGE_SIZE, name="glyphs")
+
+
+def clustered(n: int, dim: int = 32, centres: int = 50, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    c = rng.standard_normal((centres, dim))
+    x = c[rng.integers(0, centres, n)] + 0.6 * rng.standard_normal((n, dim))
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def product_like(n: int, dim: int = 64, seed: int = 0) -> np.ndarray:
+    """Clusters of ~200 rows holding classes of ~5 (as benchmarks/serving_bench's catalogue): the nearest
+    neighbours are close together, where PQ's quantisation error reorders them."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((n // 200, dim))
+    classes = centres[rng.integers(0, len(centres), n // 5)] + rng.standard_normal((n // 5, dim))
+    x = classes[rng.integers(0, len(classes), n)] + 0.5 * rng.standard_normal((n, dim))
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+PQ = dict(type="ivf_pq", min_rows_approx=0, nlist=64, nprobe=8, pq_m=8, pq_nbits=8, recall_queries=300)
+
+
+def exact_top10_found(idx: CatalogueIndex, x: np.ndarray, queries: np.ndarray) -> float:
+    """The fraction of queries whose whole exact top-10 the index returns."""
+    exact = np.argsort(-(queries @ x.T), axis=1)[:, :10]
+    _, rows = idx.search(queries, 10)
+    return float(np.mean([set(a) == set(b) for a, b in zip(exact, rows)]))
+
+
+def write_shard(path, emb: np.ndarray, start: int):
+    """A parquet file in the format `xbn embed` writes (path, label, embedding list)."""
+    offsets = pa.array(np.arange(len(emb) + 1, dtype=np.int32) * emb.shape[1])
+    table = pa.table({
+        "path": [f"part/{start + i}.png" for i in range(len(emb))],
+        "label": [str((start + i) % 9) for i in range(len(emb))],
+        "embedding": pa.ListArray.from_arrays(offsets, pa.array(emb.reshape(-1), pa.float32())),
+    }).replace_schema_metadata({b"xbn.embedding_dim": str(emb.shape[1]).encode()})
+    pq.write_table(table, path)
+    return path

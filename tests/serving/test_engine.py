@@ -19,8 +19,8 @@ from tests_support import ROOT
 
 import xbn.evaluation.engine as engine_module
 from xbn.config import ConfigError, load_params
-from xbn.evaluation.engine import PARITY_COSINE, OnnxEngine, cached_graph_path, engine_for
 from xbn.evaluation import onnx_export
+from xbn.evaluation.engine import PARITY_COSINE, OnnxEngine, cached_graph_path, engine_for
 from xbn.serving.model import load_served_model, open_image
 from xbn.utils.integrity import sidecar_path
 

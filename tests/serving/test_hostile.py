@@ -21,8 +21,7 @@ import pandas as pd
 import pytest
 import yaml
 from PIL import Image
-from serving_support import IMAGE_SIZE, running, wait_for
-from test_http import install, local_source, versions  # noqa: F401 -- the module fixture of two versions
+from serving_support import IMAGE_SIZE, install, local_source, running, wait_for
 
 from xbn.config import Params, ServeConfig
 from xbn.data import DatasetError

@@ -17,56 +17,26 @@ from types import SimpleNamespace
 import httpx
 import numpy as np
 import pytest
-from serving_support import IMAGE_SIZE, running, wait_for
+from serving_support import IMAGE_SIZE, install, local_source, running, wait_for
+from tests_support import free_port
 
 from xbn.serving.http import (
     Holder,
-    LocalModelSource,
     RegistryModelSource,
     ServeConfig,
     create_app,
     token_from_env,
 )
-from xbn.serving.index import IndexConfig, build_catalogue
 from xbn.serving.model import load_served_model
 from xbn.serving.search import search_images
-from xbn.serving.sources import read_source
 
 FAST = ServeConfig(poll_interval_s=0.2)
-
-
-@pytest.fixture(scope="module")
-def versions(model_path, other_model_path, image_root, tmp_path_factory):
-    """Two 'versions': each a checkpoint and the catalogue index it built, in folders of their own."""
-    frame, root = read_source(image_root / "manifest.csv")
-    out = {}
-    for name, path in (("a", model_path), ("b", other_model_path)):
-        folder = tmp_path_factory.mktemp(f"version_{name}")
-        shutil.copy(path, folder / "model.pt")
-        build_catalogue(load_served_model(path, IMAGE_SIZE), frame, root, IndexConfig()).save(
-            folder / "index"
-        )
-        out[name] = folder
-    return out
-
-
-def install(version: Path, where: Path) -> None:
-    """Put a version's files at the served paths, each replaced atomically, as the stages write them."""
-    (where / "index").mkdir(parents=True, exist_ok=True)
-    for rel in ("index/index.faiss", "index/ids.parquet", "index/index.json", "model.pt"):
-        tmp = where / f"{rel}.incoming"
-        shutil.copy(version / rel, tmp)
-        os.replace(tmp, where / rel)
 
 
 @pytest.fixture
 def deployed(versions, tmp_path) -> Path:
     install(versions["a"], tmp_path / "served")
     return tmp_path / "served"
-
-
-def local_source(where: Path) -> LocalModelSource:
-    return LocalModelSource(where / "model.pt", where / "index", IMAGE_SIZE, name="glyphs")
 
 
 def upload(path: Path, name: str | None = None):
@@ -276,12 +246,6 @@ def outward_address() -> str | None:
             return None
         address = s.getsockname()[0]
     return None if address.startswith("127.") else address
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_binds_localhost_reads_a_token_file_and_reloads_on_sighup(

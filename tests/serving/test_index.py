@@ -8,6 +8,7 @@ import logging
 import numpy as np
 import pandas as pd
 import pytest
+from serving_support import PQ, clustered, exact_top10_found, product_like
 
 from xbn.serving.index import (
     CatalogueIndex,
@@ -20,13 +21,6 @@ from xbn.serving.index import (
     recall_on,
 )
 from xbn.serving.sources import read_source
-
-
-def clustered(n: int, dim: int = 32, centres: int = 50, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    c = rng.standard_normal((centres, dim))
-    x = c[rng.integers(0, centres, n)] + 0.6 * rng.standard_normal((n, dim))
-    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
 
 
 def ids_for(n: int, start: int = 0) -> pd.DataFrame:
@@ -267,19 +261,6 @@ def test_a_gpu_faiss_cannot_use_falls_back_to_the_cpu(monkeypatch, caplog):
 # IVF-PQ re-ranked exactly (IndexRefine) with k_factor chosen at build time
 
 
-def product_like(n: int, dim: int = 64, seed: int = 0) -> np.ndarray:
-    """Clusters of ~200 rows holding classes of ~5 (as benchmarks/serving_bench's catalogue): the nearest
-    neighbours are close together, where PQ's quantisation error reorders them."""
-    rng = np.random.default_rng(seed)
-    centres = rng.standard_normal((n // 200, dim))
-    classes = centres[rng.integers(0, len(centres), n // 5)] + rng.standard_normal((n // 5, dim))
-    x = classes[rng.integers(0, len(classes), n)] + 0.5 * rng.standard_normal((n, dim))
-    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
-
-
-PQ = dict(type="ivf_pq", min_rows_approx=0, nlist=64, nprobe=8, pq_m=8, pq_nbits=8, recall_queries=300)
-
-
 @pytest.fixture(scope="module")
 def pq_data():
     x = product_like(20_200)
@@ -290,13 +271,6 @@ def pq_data():
 def refined(pq_data):
     x, _ = pq_data
     return CatalogueIndex.build(x, ids_for(len(x)), IndexConfig(**PQ, target_recall=0.99))
-
-
-def exact_top10_found(idx: CatalogueIndex, x: np.ndarray, queries: np.ndarray) -> float:
-    """The fraction of queries whose whole exact top-10 the index returns."""
-    exact = np.argsort(-(queries @ x.T), axis=1)[:, :10]
-    _, rows = idx.search(queries, 10)
-    return float(np.mean([set(a) == set(b) for a, b in zip(exact, rows)]))
 
 
 def test_refined_ivf_pq_finds_the_exact_top10_where_plain_pq_does_not(pq_data, refined):

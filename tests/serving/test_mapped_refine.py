@@ -13,8 +13,7 @@ from itertools import pairwise
 import faiss
 import numpy as np
 import pytest
-from test_index import PQ, product_like
-from test_shards import write_shard
+from serving_support import PQ, product_like, write_shard
 
 from xbn.config import IndexConfig
 from xbn.serving.index import CatalogueIndex, IndexMismatch, unit_rows

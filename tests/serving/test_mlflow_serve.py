@@ -22,8 +22,8 @@ from tracking.helpers import run_pipeline, write_images, write_manifest
 
 from xbn.cli import main
 from xbn.config import Params
-from xbn.stages.index import index
 from xbn.serving.embed_job import read_embeddings
+from xbn.stages.index import index
 from xbn.tracking import PARENT_RUN_ENV
 
 SRC = Path(__file__).resolve().parents[2] / "src"

@@ -3,13 +3,19 @@ metadata and the preprocessing rule beside the file."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
-import json
-
-from xbn.evaluation.onnx_export import (ParityError, check_parity, export_onnx, onnx_embed, onnx_metadata,
-                                     rule_path)
+from xbn.evaluation.onnx_export import (
+    ParityError,
+    check_parity,
+    export_onnx,
+    onnx_embed,
+    onnx_metadata,
+    rule_path,
+)
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from serving_support import running
-from test_http import local_source, versions  # noqa: F401 -- the module fixture of two versions
+from serving_support import local_source, running
 
 from xbn.config import ServeConfig
 from xbn.serving.http import create_app

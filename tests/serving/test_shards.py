@@ -10,10 +10,9 @@ from itertools import pairwise
 import faiss
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_index import PQ, clustered, exact_top10_found, product_like
+from serving_support import PQ, clustered, exact_top10_found, product_like, write_shard
 
 from xbn.config import IndexConfig
 from xbn.evaluation.knn import knn_search
@@ -22,18 +21,6 @@ from xbn.serving.mapped_refine import REFINE_FILE, MappedRefine
 from xbn.serving.shards import IVFDATA_FILE, build_sharded
 
 SIZES = (700, 500, 800)  # three machines' parts of the catalogue
-
-
-def write_shard(path, emb: np.ndarray, start: int):
-    """A parquet file in the format `xbn embed` writes (path, label, embedding list)."""
-    offsets = pa.array(np.arange(len(emb) + 1, dtype=np.int32) * emb.shape[1])
-    table = pa.table({
-        "path": [f"part/{start + i}.png" for i in range(len(emb))],
-        "label": [str((start + i) % 9) for i in range(len(emb))],
-        "embedding": pa.ListArray.from_arrays(offsets, pa.array(emb.reshape(-1), pa.float32())),
-    }).replace_schema_metadata({b"xbn.embedding_dim": str(emb.shape[1]).encode()})
-    pq.write_table(table, path)
-    return path
 
 
 @pytest.fixture

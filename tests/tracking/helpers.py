@@ -13,12 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from mlflow.tracking import MlflowClient
 from PIL import Image
 
 from xbn.config import Params
 from xbn.models import Embedder, build_embedder, save_embedder
 from xbn.stages.register import register
-from xbn.tracking import pipeline_run
+from xbn.tracking import Registry, pipeline_run
+from xbn.tracking.history import read_history
 
 METRICS = {"recall@1": 0.50, "recall@2": 0.60, "recall@10": 0.80, "map@r": 0.30, "r_precision": 0.35,
            "nmi": 0.60}
@@ -100,3 +102,22 @@ def write_images(folder: Path) -> list[Path]:
     for name, image in files.items():
         image.save(folder / name)
     return [folder / name for name in files]
+
+
+def next_model(params, seed: int) -> None:
+    write_model(params, seed)
+    write_eval(params)
+    with pipeline_run(params, "train", new=True):
+        pass
+
+
+def state(params) -> dict:
+    registry = Registry(params)
+    client = MlflowClient(params.tracking.uri)
+    found = {int(v.version): client.get_model_version(v.name, v.version).tags
+             for v in client.search_model_versions(f"name = '{params.registry.model_name}'")}
+    champion, challenger = registry.by_alias("champion"), registry.by_alias("challenger")
+    return {"versions": found, "champion": champion and champion.version,
+            "challenger": challenger and challenger.version,
+            "history": [(e.action, e.from_version, e.to_version) for e in read_history(registry)],
+            "descriptions": {v: bool(registry.get(v).description) for v in found}}

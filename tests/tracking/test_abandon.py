@@ -18,7 +18,7 @@ from xbn.stages.register import abandon, register
 from xbn.tracking import Registry, file_digest
 from xbn.utils.errors import EXIT_FAILURE, RegistryError
 
-from .test_interrupted_registration import next_model, state
+from .helpers import next_model, run_pipeline, state
 
 
 @pytest.fixture
@@ -27,8 +27,6 @@ def served(params) -> Params:
     waiting for its index, as a run killed before its index stage leaves it."""
     served = Params.model_validate({**params.model_dump(), "registry": {**params.registry.model_dump(),
                                                                        "promote_with_index": True}})
-    from .helpers import run_pipeline
-
     run_pipeline(served, seed=0, blind=True)
     index(served)
     next_model(served, seed=1)

@@ -4,7 +4,6 @@ shows the log, and the registry commands give up on a dead store within seconds 
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests_support import free_port
 
 from xbn.cli import main
 from xbn.stages.register import promote, review, rollback
@@ -128,16 +128,10 @@ def test_rollback_with_nothing_to_roll_back_is_one_line_and_exit_1(params, capsy
     assert _champion(params) == 1
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # nothing listens once it is closed
-
-
 @pytest.mark.parametrize("action", [["review"], ["rollback", "--reason", "x"], ["promote", "--model-version", "1",
                                                                           "--reason", "x"]])
 def test_registry_commands_give_up_on_a_dead_store_within_seconds(params, action, capsys):
-    uri = f"http://127.0.0.1:{_closed_port()}"
+    uri = f"http://127.0.0.1:{free_port()}"
     Path("params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json")))
     start = time.monotonic()  # in this process: the time is the command's, not Python's and MLflow's imports
     assert main(["registry", "--set", f"tracking.uri={uri}", *action]) == EXIT_SERVICE

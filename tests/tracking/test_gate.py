@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tests_support import ROOT
 
 from xbn.config import ConfigError, RegistryConfig, load_params
 from xbn.stages.promotion import Comparison, SplitScores, compare, decide
-
-from tests_support import ROOT
 
 GUARDED = {"recall@10": 0.80, "map@r": 0.30, "r_precision": 0.35, "nmi": 0.60}
 

@@ -16,8 +16,7 @@ from xbn.cli import main
 from xbn.models import load_embedder
 from xbn.stages.register import register
 from xbn.tracking import Registry, file_digest
-from xbn.utils.errors import EXIT_DATA
-from xbn.utils.errors import IntegrityError
+from xbn.utils.errors import EXIT_DATA, IntegrityError
 from xbn.utils.integrity import verify_file
 
 from .helpers import run_pipeline, write_eval, write_model

@@ -16,11 +16,10 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from xbn.stages.register import promote, register
-from xbn.tracking import Registry, pipeline_run
-from xbn.tracking.history import read_history
+from xbn.tracking import Registry
 from xbn.tracking.registry import SHA_TAG
 
-from .helpers import run_pipeline, write_eval, write_model
+from .helpers import next_model, run_pipeline, state, write_model
 
 
 def killed_register(params, tmp_path, point: str) -> None:
@@ -32,25 +31,6 @@ def killed_register(params, tmp_path, point: str) -> None:
     done = subprocess.run([sys.executable, "-m", "xbn.cli", "register", "--params", str(path), "-q"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == -9, done.stderr[-3000:]
-
-
-def next_model(params, seed: int) -> None:
-    write_model(params, seed)
-    write_eval(params)
-    with pipeline_run(params, "train", new=True):
-        pass
-
-
-def state(params) -> dict:
-    registry = Registry(params)
-    client = MlflowClient(params.tracking.uri)
-    found = {int(v.version): client.get_model_version(v.name, v.version).tags
-             for v in client.search_model_versions(f"name = '{params.registry.model_name}'")}
-    champion, challenger = registry.by_alias("champion"), registry.by_alias("challenger")
-    return {"versions": found, "champion": champion and champion.version,
-            "challenger": challenger and challenger.version,
-            "history": [(e.action, e.from_version, e.to_version) for e in read_history(registry)],
-            "descriptions": {v: bool(registry.get(v).description) for v in found}}
 
 
 def test_killed_after_create_or_after_the_alias_moved_the_next_register_completes_it(params, tmp_path):

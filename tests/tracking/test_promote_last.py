@@ -16,8 +16,7 @@ from xbn.stages.index import index, index_version
 from xbn.stages.register import complete_interrupted, promote, register, rollback
 from xbn.utils.errors import RegistryError
 
-from .helpers import run_pipeline
-from .test_interrupted_registration import next_model, state
+from .helpers import next_model, run_pipeline, state
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import uuid
 import pytest
 import sqlalchemy as sa
 import yaml
-
 from infra.support import PG_HOST, PG_PORT, PG_USER, require_postgres
+
 from xbn.cli import main
 from xbn.tracking import Registry
 from xbn.utils.locks import LockLost

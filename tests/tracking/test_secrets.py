@@ -7,8 +7,8 @@ import logging
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
-
 from tests_support import ROOT
+
 from xbn.config import flatten, load_params
 from xbn.tracking import pipeline_run
 from xbn.tracking.services import has_password, mask_secrets, redact
