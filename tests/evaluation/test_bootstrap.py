@@ -1,9 +1,12 @@
-"""The paired bootstrap on hand cases: no difference, a clear one, one within noise; reproducibility."""
+"""The paired bootstrap on hand cases: no difference, a clear one, one within noise; reproducibility; and its
+properties at sizes nobody picked (hypothesis)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from xbn.evaluation import bootstrap
 from xbn.evaluation.bootstrap import paired_bootstrap
@@ -82,3 +85,24 @@ def test_the_interval_is_the_percentiles_of_the_resampled_means_the_gate_draws()
     assert len(means) == 500 and diff.mean() == pytest.approx(a.mean() - b.mean())
     got = paired_bootstrap(a, b, resamples=500, confidence=0.9, seed=4)
     assert (got.low, got.high) == tuple(np.quantile(means, [0.05, 0.95]))
+
+
+scores = st.lists(st.floats(0, 1, allow_nan=False), min_size=1, max_size=60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(a=scores, shift=st.floats(-1, 1, allow_nan=False), seed=st.integers(0, 2**16),
+       confidence=st.floats(0.5, 0.99))
+def test_properties_of_the_paired_interval(a, shift, seed, confidence):
+    """Whatever the scores: the interval holds the observed difference's resampled range (low <= high, both
+    within the per-query differences' min and max); swapping the models mirrors it exactly; a constant shift of
+    every query's score moves all three by that shift (the pairing cancels the queries' own difficulty)."""
+    a = np.array(a)
+    b = np.random.default_rng(seed).random(len(a))
+    d, low, high = paired_bootstrap(a, b, resamples=200, confidence=confidence, seed=seed)
+    diff = a - b
+    assert diff.min() - 1e-12 <= low <= high <= diff.max() + 1e-12
+    mirrored = paired_bootstrap(b, a, resamples=200, confidence=confidence, seed=seed)
+    assert mirrored == pytest.approx((-d, -high, -low), abs=1e-12)
+    shifted = paired_bootstrap(a + shift, b, resamples=200, confidence=confidence, seed=seed)
+    assert shifted == pytest.approx((d + shift, low + shift, high + shift), abs=1e-9)

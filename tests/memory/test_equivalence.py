@@ -5,6 +5,8 @@ re-reduces its rows' moments every step and maps them by the textbook formula. A
 fused map, a CUDA graph) must keep passing this."""
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pytorch_metric_learning import losses, miners
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
@@ -17,10 +19,10 @@ class PlainXBN:
     """Seed 000's XBN, literally: before enqueuing a batch, every stored row z becomes
     (z - E[R]) / sigma[R] * sigma[B] + E[B] (Eq. 6), the moments reduced from the rows themselves."""
 
-    def __init__(self, loss, miner):
-        self.loss, self.miner = loss, miner
-        self.rows = torch.zeros(SIZE, D, dtype=torch.float64)
-        self.labels = torch.zeros(SIZE, dtype=torch.long)
+    def __init__(self, loss, miner, size: int = SIZE, dim: int = D):
+        self.loss, self.miner, self.size = loss, miner, size
+        self.rows = torch.zeros(size, dim, dtype=torch.float64)
+        self.labels = torch.zeros(size, dtype=torch.long)
         self.filled, self.at = 0, 0
 
     def __call__(self, x, y):
@@ -29,12 +31,12 @@ class PlainXBN:
             mean, std = valid.mean(0), valid.std(0, unbiased=False)
             target_mean, target_std = x.detach().mean(0), x.detach().std(0, unbiased=False)
             self.rows[: self.filled] = (valid - mean) / std * target_std + target_mean
-        slots = (self.at + torch.arange(len(x))) % SIZE
+        slots = (self.at + torch.arange(len(x))) % self.size
         self.rows[slots], self.labels[slots] = x.detach(), y
-        self.at = (self.at + len(x)) % SIZE
-        self.filled = min(self.filled + len(x), SIZE)
+        self.at = (self.at + len(x)) % self.size
+        self.filled = min(self.filled + len(x), self.size)
         rows, labels = self.rows[: self.filled], self.labels[: self.filled]
-        pairs = lmu.remove_self_comparisons(self.miner(x, y, rows, labels), slots, SIZE)
+        pairs = lmu.remove_self_comparisons(self.miner(x, y, rows, labels), slots, self.size)
         return self.loss(x, y, pairs, rows, labels), pairs
 
 
@@ -79,3 +81,23 @@ def test_200_steps_mine_the_same_pairs_and_give_the_same_loss_as_eq_6_written_pl
     assert ours.adaptation_steps == STEPS - 1  # the sums were refreshed at updates 0, 100 (refresh_interval)
     torch.testing.assert_close(ours.valid_rows(), plain.rows, rtol=0, atol=1e-9)
     torch.testing.assert_close(ours.label_memory, plain.labels, rtol=0, atol=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(dim=st.integers(2, 12), batch=st.integers(2, 12), extra=st.integers(0, 40), steps=st.integers(1, 30),
+       refresh=st.integers(1, 20), seed=st.integers(0, 2**16))
+def test_any_size_wrap_and_refresh_keeps_the_rows_eq_6_makes_them(dim, batch, extra, steps, refresh, seed):
+    """The same equivalence at sizes nobody picked: any dimension, batch, memory size (a multiple of the batch
+    or not, so the queue wraps anywhere), run length and refresh interval of the running sums."""
+    size = batch + extra
+    loss = losses.SupConLoss(temperature=0.1)
+    ours = CrossBatchMemory(loss, dim, size, moments=BatchMoments(), refresh_interval=refresh)
+    plain = PlainXBN(loss, None, size=size, dim=dim)
+    plain.miner = lambda x, y, rows, labels: lmu.get_all_pairs_indices(y, labels)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        x = torch.nn.functional.normalize(1 + step / 10 + torch.randn(batch, dim, generator=g, dtype=torch.float64),
+                                          dim=1)
+        y = torch.randint(0, 4, (batch,), generator=g)
+        torch.testing.assert_close(ours(x, y), plain(x, y)[0], rtol=1e-9, atol=1e-12, msg=f"step {step}")
+    torch.testing.assert_close(ours.valid_rows(), plain.rows[: plain.filled], rtol=0, atol=1e-9)
