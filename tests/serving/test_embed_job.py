@@ -145,3 +145,26 @@ def test_an_s3_source_without_s3fs_is_a_config_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_s3fs)
     with pytest.raises(ConfigError, match="s3://bucket/rows.parquet"):
         read_source("s3://bucket/rows.parquet")
+
+
+def test_a_remote_catalogues_rows_outside_it_are_neither_fetched_nor_written(tmp_path, caplog):
+    """A remote catalogue (fsspec's memory filesystem, as s3:// would be) whose rows name '../x' or '/x': those
+    keys are not read from outside the catalogue's prefix, and nothing is written outside the temp folder."""
+    import logging
+    from pathlib import Path
+
+    import fsspec
+    import pandas as pd
+
+    from xbn.serving.sources import local_images
+
+    fs = fsspec.filesystem("memory")
+    # Object stores do not normalise keys: a key may literally hold "..", as this one does.
+    fs.pipe({"/shop/catalogue/a.png": b"inside", "/shop/catalogue/../escaped.png": b"x",
+             "/shop/secret.png": b"outside the prefix"})
+    rows = pd.DataFrame({"path": ["a.png", "../escaped.png", "/shop/secret.png"]})
+    with caplog.at_level(logging.WARNING), local_images(rows, "memory://shop/catalogue") as folder:
+        found = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+        parent = folder.parent
+    assert found == ["a.png"] and "2 row(s) name a path outside it" in caplog.text
+    assert not (parent / "escaped.png").exists() and not Path("/shop/secret.png").exists()

@@ -53,6 +53,7 @@ from xbn.serving.index import CatalogueIndex
 from xbn.serving.limits import RETRY_AFTER_S, Busy, Limits, PixelBudget
 from xbn.serving.model import ServedModel, UnreadableImage, load_served_model
 from xbn.serving.search import neighbours
+from xbn.serving.sources import inside
 from xbn.utils.io import file_digest
 from xbn.utils.secrets import mask_error, mask_secrets
 
@@ -486,14 +487,6 @@ def create_app(
         }
 
     return app
-
-
-def inside(root: str | Path, relative: str) -> Path | None:
-    """`root / relative` when it stays under `root` lexically, else None. Lexically, not resolved: symbolic
-    links inside the catalogue are its owner's doing (a DVC cache links every file out), a stored path is not."""
-    root = os.path.normpath(os.path.abspath(root))
-    path = os.path.normpath(os.path.join(root, relative))
-    return Path(path) if not os.path.isabs(relative) and path.startswith(root + os.sep) else None
 
 
 def check_exposure(app: FastAPI, host: str) -> None:

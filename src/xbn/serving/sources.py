@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +21,8 @@ import pandas as pd
 from xbn.config import ConfigError
 from xbn.data import read_manifest, safe_relative_path
 from xbn.data.errors import DatasetError
+
+log = logging.getLogger(__name__)
 
 # The extensions a folder source picks up (case-insensitive); anything else in the folder is ignored.
 IMAGE_SUFFIXES = frozenset(
@@ -34,6 +38,14 @@ def gallery_rows(manifest: pd.DataFrame) -> pd.DataFrame:
     if rows.empty:
         raise DatasetError(f"the manifest has no '{split}' rows to index")
     return rows
+
+
+def inside(root: str | Path, relative: str) -> Path | None:
+    """`root / relative` when it stays under `root` lexically, else None. Lexically, not resolved: symbolic
+    links inside the catalogue are its owner's doing (a DVC cache links every file out), a stored path is not."""
+    root = os.path.normpath(os.path.abspath(root))
+    path = os.path.normpath(os.path.join(root, relative))
+    return Path(path) if not os.path.isabs(relative) and path.startswith(root + os.sep) else None
 
 
 def is_remote(location: str | Path) -> bool:
@@ -136,12 +148,18 @@ def local_images(rows: pd.DataFrame, root: str | Path) -> Iterator[Path]:
     import fsspec
 
     fs, base = fsspec.core.url_to_fs(str(root))
-    wanted = {f"{base.rstrip('/')}/{p}": p for p in rows["path"].astype(str)}
-    fetched = fs.cat(list(wanted), on_error="omit")  # concurrent on object stores (s3fs, gcsfs)
     with tempfile.TemporaryDirectory(prefix="xbn-images-") as tmp:
+        # A key is fetched, and written, only when it stays under the root (the rule `inside` keeps for a local
+        # catalogue): a row "../x" or "/etc/x" would read outside the catalogue's prefix and write outside tmp.
+        wanted = {f"{base.rstrip('/')}/{p}": local for p in rows["path"].astype(str)
+                  if (local := inside(tmp, p)) is not None}
+        if refused := len(rows) - len(wanted):
+            log.warning("catalogue %s: %d row(s) name a path outside it (absolute or with '..'): left out",
+                        root, refused)
+        fetched = fs.cat(list(wanted), on_error="omit")  # concurrent on object stores (s3fs, gcsfs)
         for remote, data in fetched.items():
             if isinstance(data, bytes):
-                local = Path(tmp) / wanted[remote]
+                local = wanted[remote]
                 local.parent.mkdir(parents=True, exist_ok=True)
                 local.write_bytes(data)
         yield Path(tmp)
