@@ -15,7 +15,8 @@ catalogue image (only rows of the served index, read under `catalogue_root`).
 
 Access: with a token configured (environment variable `XBN_SERVE_TOKEN`, or a file named by
 `XBN_SERVE_TOKEN_FILE`; never a command-line argument, which `ps` shows), every route but `/health` and the
-page answers 401 without `Authorization: Bearer <token>`. `serve` binds 127.0.0.1 unless told otherwise, and
+page answers 401 without `Authorization: Bearer <token>` (`/health` then shows a failure's text, masked, only to the
+token). `serve` binds 127.0.0.1 unless told otherwise, and
 without a token refuses any other address (`check_exposure`) and says every minute that it is open.
 
 Hostile input (issue 27): uploads are opened by `xbn.data.images` (allowed formats, 415; any decoding failure,
