@@ -108,9 +108,12 @@ def publish_index(params: Params, planned: CataloguePlan) -> dict:
 
 
 @flow(name="xbn-catalogue-embed")
-def embed_shards(params: Params, version: int, shards: list[Shard]) -> list[dict]:
-    """The shards mapped over the flow's Dask cluster (the caller picks it: `with_options(task_runner=...)`)."""
+def embed_shards(params_path: str, overrides: list[str], version: int, shards: list[Shard]) -> list[dict]:
+    """The shards mapped over the flow's Dask cluster (the caller picks it: `with_options(task_runner=...)`).
+    It takes the params' file and overrides, not the resolved params: Prefect records a flow run's parameters,
+    and a password in a resolved URI must not land there (the tasks' inputs are not recorded)."""
     logger = get_run_logger()
+    params = for_workers(load_params(params_path, list(overrides)))
     done, start = [], time.time()
     for future in as_completed(embed_shard.map(unmapped(params), unmapped(version), shards)):
         report = future.result()
@@ -139,7 +142,8 @@ def catalogue(params_path: str = "params.yaml", overrides: list[str] | None = No
     if todo:
         runner = task_runner(params, address)
         logger.info("embedding %d shard(s) on %s", len(todo), scheduler_address(params, address) or "a LocalCluster")
-        report["embedded"] = embed_shards.with_options(task_runner=runner)(params, planned.version, todo)
+        report["embedded"] = embed_shards.with_options(task_runner=runner)(params_path, list(overrides or []),
+                                                                           planned.version, todo)
     elif planned.up_to_date:
         logger.info("catalogue: v%d already serves the index of these %d image(s): nothing to do",
                     planned.version, planned.rows)
