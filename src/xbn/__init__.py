@@ -35,3 +35,7 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'xbn' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})  # the lazy names too, for dir(xbn) and completion

@@ -356,18 +356,35 @@ def _endpoint(text: str) -> str:
     return text.strip()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _common_options(defaults: bool = True) -> argparse.ArgumentParser:
+    """The options every command takes. `defaults=False`: the same for a command's action (`xbn registry review
+    --json`), set only when given there, so they never reset what was given before the action."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
-    common.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+
+    def default(value):
+        return value if defaults else argparse.SUPPRESS
+
+    common.add_argument("--params", default=default("params.yaml"), help="params file (default: params.yaml)")
+    common.add_argument("--set", dest="overrides", action="append", default=default([]), metavar="KEY=VALUE",
                         help="override a param, e.g. --set memory.method=xbn (repeatable)")
-    common.add_argument("-q", "--quiet", action="store_true",
+    common.add_argument("-q", "--quiet", action="store_true", default=default(False),
                         help="no progress bars, and the result goes only to its file, not to the console")
-    common.add_argument("-v", "--verbose", action="store_true", help="every library's log lines too")
-    common.add_argument("--json", action="store_true",
+    common.add_argument("-v", "--verbose", action="store_true", default=default(False),
+                        help="every library's log lines too")
+    common.add_argument("--json", action="store_true", default=default(False),
                         help="print the result as JSON (the commands that print text: summary, run, retrain, "
                              "search; the others print JSON anyway)")
-    parser = argparse.ArgumentParser(prog="xbn", description=__doc__)
+    return common
+
+
+EXIT_CODES_HELP = ("exit codes: 0 done; 1 the run failed (a non-finite loss, another run in progress, nothing to "
+                   "roll back to); 2 a param, an option or an account is wrong (the message names it); 3 the data "
+                   "or a file a stage needs is missing or invalid; 4 a service the run needs cannot be reached")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common, after_action = _common_options(), _common_options(defaults=False)
+    parser = argparse.ArgumentParser(prog="xbn", description=__doc__, epilog=EXIT_CODES_HELP)
     from xbn import __version__
 
     parser.add_argument("--version", action="version", version=f"xbn {__version__}")
@@ -415,15 +432,15 @@ def build_parser() -> argparse.ArgumentParser:
         fn=_stage_register)
     registry = sub.add_parser("registry", parents=[common], help="review and move the registry's aliases")
     actions = registry.add_subparsers(dest="action", required=True)
-    actions.add_parser("review", help="champion vs challenger, side by side")
-    promote = actions.add_parser("promote", help="make a version the champion")
+    actions.add_parser("review", parents=[after_action], help="champion vs challenger, side by side")
+    promote = actions.add_parser("promote", parents=[after_action], help="make a version the champion")
     promote.add_argument("--model-version", "--version", dest="model_version", required=True, type=_positive_int,
                          action=_ModelVersion, metavar="V", help="the registry version to make champion")
     promote.add_argument("--reason", required=True)
-    rollback = actions.add_parser("rollback", help="restore the previous champion")
+    rollback = actions.add_parser("rollback", parents=[after_action], help="restore the previous champion")
     rollback.add_argument("--reason", required=True)
-    abandon = actions.add_parser("abandon", help="give up an unfinished registration that cannot be completed "
-                                                 "(held, never tried again)")
+    abandon = actions.add_parser("abandon", parents=[after_action], help="give up an unfinished registration "
+                                 "that cannot be completed (held, never tried again)")
     abandon.add_argument("--model-version", "--version", dest="model_version", required=True, type=_positive_int,
                          action=_ModelVersion, metavar="V", help="the registry version to abandon")
     abandon.add_argument("--reason", required=True)
@@ -449,8 +466,10 @@ def build_parser() -> argparse.ArgumentParser:
     catalogue.set_defaults(fn=_catalogue)
     data = sub.add_parser("data", parents=[common], help="the training data's DVC snapshots")
     data_actions = data.add_subparsers(dest="action", required=True)
-    data_actions.add_parser("snapshot", help="track data.root with DVC and push it (what the retrain flow does)")
-    restore = data_actions.add_parser("restore", help="bring back the images a version or a run trained on")
+    data_actions.add_parser("snapshot", parents=[after_action],
+                            help="track data.root with DVC and push it (what the retrain flow does)")
+    restore = data_actions.add_parser("restore", parents=[after_action],
+                                      help="bring back the images a version or a run trained on")
     source = restore.add_mutually_exclusive_group(required=True)
     source.add_argument("--model-version", "--version", dest="model_version", type=_positive_int, default=None,
                         action=_ModelVersion, metavar="V", help="registry version")
