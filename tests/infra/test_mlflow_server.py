@@ -317,7 +317,8 @@ def test_a_reviewer_promotes_as_themselves_and_a_wrong_password_is_one_line(mlfl
     path.write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
     registry = Registry(params)  # as the pipeline: a second version for the reviewer to choose
     first = registry.get(1)
-    second = registry.create(first.source, {"model_sha256": "f" * 64, "decision": "held"}).version
+    # The same logged model as v1 (its checkpoint's sha256, as a new server checks it before serving).
+    second = registry.create(first.source, {"model_sha256": first.tags["model_sha256"], "decision": "held"}).version
     user = as_account(monkeypatch, "reviewer")
     promote = ["registry", "--params", str(path), "promote", "--model-version", str(second), "--reason", "checked by hand"]
     assert main(promote) == 1  # no index attached: it could not serve, so it is refused before any write

@@ -527,6 +527,9 @@ def _require_index(params: Params, registry: Registry, target: ModelVersionInfo)
     """A hand-made champion must serve too (registry.promote_with_index): refused, before any write, when its
     index is missing or fails its sha256, naming the command that attaches one."""
     if params.registry.promote_with_index and (problem := registry.index_problem(target)):
+        if "checkpoint" in problem:  # the model itself: no index can make it servable
+            raise RegistryError(f"{registry.name} v{target.version} {problem}, so it could not serve as champion: "
+                                "choose another version")
         raise RegistryError(f"{registry.name} v{target.version} {problem}, so it could not serve as champion: "
                             f"attach one first (`xbn index --model-version {target.version}`), or set "
                             "registry.promote_with_index=false for a registry served without a search index")
