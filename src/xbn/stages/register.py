@@ -346,7 +346,9 @@ def rollback(params: Params, reason: str, user: str | None = None) -> dict:
     registry = _registry(params)
     with registry.lock():
         pending = finish_logged_move(registry)  # a rollback killed before its alias moved: this retry ends it
-        if pending is not None and pending.action == "rollback":
+        champion: ModelVersionInfo | None
+        previous: int | None
+        if pending is not None and pending.action == "rollback" and pending.from_version is not None:
             previous, who, champion = pending.to_version, pending.by, registry.get(pending.from_version)
         else:
             champion = registry.by_alias(CHAMPION)
@@ -359,6 +361,7 @@ def rollback(params: Params, reason: str, user: str | None = None) -> dict:
                            to_version=previous, reason=reason, undoes=reverted.seq)
             fault_point("rollback.after_history")
             registry.set_alias(CHAMPION, previous)
+        assert champion is not None and previous is not None
         registry.set_tags(champion.version, _stamp("rolled_back", reason, who))
         registry.set_tags(int(previous),
                           _stamp("restored", f"rollback of v{champion.version}: {reason}", who))
