@@ -1,4 +1,5 @@
-"""`data.num_workers: auto` and the DataLoader options that go with the worker count (`xbn.data.loading`)."""
+"""`data.num_workers: auto`, the DataLoader options that go with the worker count (`xbn.data.loading`), and
+forked workers that forget the thread-exit hooks of their parent."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from tests_support import ROOT
 from xbn.config import ConfigError, load_params
 from xbn.data import loading
 from xbn.data.loading import loader_options, resolve_num_workers
+
+from .fixtures import write_csv
 
 
 def test_auto_is_the_usable_cores_less_one_capped_and_shared_by_the_local_processes(monkeypatch):
@@ -47,3 +50,28 @@ def test_params_accept_auto_or_a_number_and_refuse_the_rest():
                 "data.augment_on=gpu", "data.cache_max_gb=0"):
         with pytest.raises(ConfigError):
             load_params(ROOT / "params.yaml", [bad])
+
+
+@pytest.fixture(scope="module")
+def fork_exit_codes(tmp_path_factory):
+    """fork_exit_codes.py's report: plain and xbn DataLoader workers forked from a fresh interpreter that holds
+    a thread-exit hook failing in a fork (the parent's state, and nothing else, is what the workers inherit)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = tmp_path_factory.mktemp("fork")
+    write_csv(root)
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("fork_exit_codes.py")), str(root)],
+                         check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_a_failing_inherited_exit_hook_kills_plain_dataloader_workers(fork_exit_codes):
+    assert fork_exit_codes["plain"][1] == [1, 1]  # silently: the hook fails past the traceback printer
+
+
+def test_xbn_loader_workers_forget_the_parents_exit_hooks(fork_exit_codes):
+    assert fork_exit_codes["xbn"] == [list(range(8)), [0, 0]]
