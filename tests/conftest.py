@@ -54,6 +54,29 @@ def glyph_root(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def prefect_harness(tmp_path_factory):
+    """Flows run for real against Prefect's test harness (a temporary database and API server), one per module:
+    its own PREFECT_HOME, put back afterwards so that later modules' subprocesses do not inherit it."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PREFECT_HOME", str(tmp_path_factory.mktemp("prefect_home")))
+        with prefect_test_harness(server_startup_timeout=120):
+            yield
+
+
+@pytest.fixture(scope="session")
+def mlflow_store_template(tmp_path_factory) -> Path:
+    """An SQLite MLflow store with its schema migrated (alembic takes seconds on a fresh store): made once per
+    session, copied by each test that needs a store of its own."""
+    from mlflow.tracking import MlflowClient
+
+    db = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{db}").search_experiments()
+    return db
+
+
 @pytest.fixture
 def tiny_params(tmp_path, glyph_root, monkeypatch):
     """Params for a tiny run in tmp_path (the working directory) on the shared tiny glyph set."""

@@ -1,5 +1,6 @@
 """Constants shared by tests in several folders (importable because pytest puts tests/ on sys.path)."""
 
+import json
 import socket
 from pathlib import Path
 
@@ -83,3 +84,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class NotificationReceiver:
+    """A real HTTP server on 127.0.0.1 that Apprise posts to (a `json://` URL): what a chat webhook receives."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.messages: list[dict] = []
+        received = self.messages
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - the http.server API
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                received.append(json.loads(body or b"{}"))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):  # quiet
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"json://127.0.0.1:{self.server.server_address[1]}/"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()

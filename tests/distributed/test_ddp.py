@@ -1,7 +1,6 @@
 """Data-parallel training on 2 CPU processes (gloo) equals the single-process run on the same global
 batches. `xbn train --nproc 2` (torchrun) is launched in test_multinode.py, beside the two-node run."""
 
-import json
 import os
 from pathlib import Path
 

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.support import free_port, stop, tail, wait_http
-from infra.test_prefect_server import NotificationReceiver, api, flow_run, stop_worker
-from tests_support import ROOT, TINY
+from infra.support import api, flow_run, free_port, stop, stop_worker, tail, wait_http
+from tests_support import ROOT, TINY, NotificationReceiver
 
 from .support import LosingProxy, PrivatePostgres
 

@@ -3,6 +3,8 @@ on the project's machines). PostgreSQL is the local server at 127.0.0.1:5432 (tr
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import subprocess
 import time
@@ -99,3 +101,42 @@ def env_example() -> dict[str, str]:
 
 # The Prefect server keeps its concurrency leases on disk (compose, and the live test that restarts a server).
 LEASE_STORAGE = "prefect.server.concurrency.lease_storage.filesystem"
+
+
+AUTH = "admin:s3cret-for-the-test"  # the Prefect API's basic auth in the stacks the tests start
+
+
+def api(url: str, path: str, body: dict | None = None, auth: str | None = AUTH,
+        method: str | None = None) -> tuple[int, object]:
+    request = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
+                                     method=method or ("GET" if body is None else "POST"),
+                                     headers={"Content-Type": "application/json"})
+    if auth:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+
+
+def flow_run(url: str, run_id: str) -> dict:
+    status, run = api(url, f"/flow_runs/{run_id}")
+    assert status == 200, f"flow run {run_id}: HTTP {status}"
+    return run
+
+
+def stop_worker(worker: subprocess.Popen) -> None:
+    """Stop the worker's process group, then any flow-run process it started (they run in their own session)."""
+    import psutil
+
+    try:
+        children = psutil.Process(worker.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    stop(worker)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass

@@ -7,7 +7,6 @@ while a second run waits for the deployment's concurrency slot."""
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import re
@@ -15,8 +14,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,13 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from tests_support import ROOT, TINY
+from tests_support import ROOT, TINY, NotificationReceiver
 
-from .support import LEASE_STORAGE, admin_execute, free_port, require_postgres, stop, tail, wait_http
+from .support import (AUTH, LEASE_STORAGE, admin_execute, api, flow_run, free_port, require_postgres, stop,
+                      stop_worker, tail, wait_http)
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("prefect-server")]
-
-AUTH = "admin:s3cret-for-the-test"
 
 
 @dataclass(frozen=True)
@@ -42,20 +38,6 @@ class Stack:
     workdir: Path  # XBN_WORKDIR: the project folder the deployment runs in
     env: dict  # a client's environment: PREFECT_API_URL, auth, PREFECT_HOME, XBN_WORKDIR
     restart: Callable[[], float]  # stop and start the server (same database, same PREFECT_HOME): seconds down
-
-
-def api(url: str, path: str, body: dict | None = None, auth: str | None = AUTH,
-        method: str | None = None) -> tuple[int, object]:
-    request = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
-                                     method=method or ("GET" if body is None else "POST"),
-                                     headers={"Content-Type": "application/json"})
-    if auth:
-        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read() or b"null")
-    except urllib.error.HTTPError as exc:
-        return exc.code, None
 
 
 @pytest.fixture(scope="module")
@@ -156,28 +138,6 @@ def test_the_weekly_schedule_creates_flow_runs(prefect_stack):
     assert {r["state_type"] for r in runs} == {"SCHEDULED"}
 
 
-def flow_run(url: str, run_id: str) -> dict:
-    status, run = api(url, f"/flow_runs/{run_id}")
-    assert status == 200, f"flow run {run_id}: HTTP {status}"
-    return run
-
-
-def stop_worker(worker: subprocess.Popen) -> None:
-    """Stop the worker's process group, then any flow-run process it started (they run in their own session)."""
-    import psutil
-
-    try:
-        children = psutil.Process(worker.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        children = []
-    stop(worker)
-    for child in children:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-
-
 def digests(folder: Path) -> dict[str, str]:
     import hashlib
 
@@ -193,34 +153,6 @@ def redraw(path: Path) -> None:
         changed = image.copy()
     changed.putpixel((0, 0), 128 if changed.getpixel((0, 0)) != 128 else 0)
     changed.save(path)
-
-
-class NotificationReceiver:
-    """A real HTTP server on 127.0.0.1 that Apprise posts to (a `json://` URL): what a chat webhook receives."""
-
-    def __init__(self) -> None:
-        import http.server
-        import threading
-
-        self.messages: list[dict] = []
-        received = self.messages
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - the http.server API
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                received.append(json.loads(body or b"{}"))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args):  # quiet
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"json://127.0.0.1:{self.server.server_address[1]}/"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
 
 
 def test_the_weekly_schedule_under_a_real_worker(prefect_stack, tmp_path):

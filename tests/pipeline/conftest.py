@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import http.server
-import json
-import threading
-
 import pytest
+from tests_support import NotificationReceiver
 
 
 @pytest.fixture
 def receiver():
-    received: list[dict] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - the http.server API
-            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"json://127.0.0.1:{server.server_address[1]}/", received
-    server.shutdown()
+    """The receiver's `json://` URL and the list its messages arrive in."""
+    server = NotificationReceiver()
+    yield server.url, server.messages
+    server.close()

@@ -26,15 +26,6 @@ OVERRIDES = ["catalogue.shard_size=250", "catalogue.chunk_size=50", "inference.c
 
 
 @pytest.fixture(scope="module")
-def prefect_harness(tmp_path_factory):
-    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect_home"))
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
-@pytest.fixture(scope="module")
 def glyph_images(tmp_path_factory) -> Path:
     from xbn.data.glyphs import generate_glyphs
 

@@ -4,22 +4,10 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests_support import ROOT, TINY
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def prefect_harness(tmp_path_factory):
-    import os
-
-    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect_home"))
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 def test_the_flow_tunes_then_trains_with_the_best_trial_and_continues_the_study(prefect_harness, tmp_path,

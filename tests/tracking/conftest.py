@@ -4,11 +4,9 @@ copied) and a working directory laid out like the project's."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import mlflow
 import pytest
-from mlflow.tracking import MlflowClient
 
 from xbn.config import Params
 from xbn.tracking import PARENT_RUN_ENV
@@ -16,23 +14,15 @@ from xbn.tracking import PARENT_RUN_ENV
 from .helpers import write_manifest
 
 
-@pytest.fixture(scope="session")
-def store_template(tmp_path_factory) -> Path:
-    # The alembic migrations of a fresh store take seconds: run them once and copy the file per test.
-    db = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
-    MlflowClient(f"sqlite:///{db}").search_experiments()
-    return db
-
-
 @pytest.fixture
-def params(tmp_path, monkeypatch, store_template) -> Params:
+def params(tmp_path, monkeypatch, mlflow_store_template) -> Params:
     """Params for a tiny model and a store in tmp_path, with tmp_path as the working directory."""
     monkeypatch.chdir(tmp_path)
     for var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_NAME",
                 "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID", PARENT_RUN_ENV):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("USER", "tester")
-    shutil.copy(store_template, tmp_path / "mlflow.db")
+    shutil.copy(mlflow_store_template, tmp_path / "mlflow.db")
     write_manifest(tmp_path / "data/manifest.csv", "v1")
     yield Params.model_validate({
         "data": {"root": "data/images", "image_size": 32, "num_workers": 0},

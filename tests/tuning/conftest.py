@@ -6,11 +6,9 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-from pathlib import Path
 
 import mlflow
 import pytest
-from mlflow.tracking import MlflowClient
 
 from tests_support import ROOT, TINY
 
@@ -20,16 +18,8 @@ TUNE_TINY = ["train.warmup_epochs=0", "tune.epochs=1", "tune.pruner_startup_tria
 POSTGRES_ADMIN = os.environ.get("XBN_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
-@pytest.fixture(scope="session")
-def mlflow_template(tmp_path_factory) -> Path:
-    # A fresh store migrates its schema for seconds: once per session, copied per test.
-    db = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
-    MlflowClient(f"sqlite:///{db}").search_experiments()
-    return db
-
-
 @pytest.fixture
-def project(tmp_path, glyph_root, monkeypatch, mlflow_template):
+def project(tmp_path, glyph_root, monkeypatch, mlflow_store_template):
     """`make(*overrides) -> Params` for tiny trials in tmp_path (the working directory), data prepared."""
     from xbn.config import load_params
     from xbn.stages.prepare import prepare
@@ -37,7 +27,7 @@ def project(tmp_path, glyph_root, monkeypatch, mlflow_template):
     monkeypatch.chdir(tmp_path)
     for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID", "XBN_PARENT_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
-    shutil.copy(mlflow_template, tmp_path / "mlflow.db")
+    shutil.copy(mlflow_store_template, tmp_path / "mlflow.db")
 
     def make(*overrides: str):
         store = f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"

@@ -1,23 +1,12 @@
 """The `xbn-tune` Prefect flow for real (prefect_test_harness): it runs the stage's study and merges the best
 values into the params file it was given."""
 
-import os
-
 import pytest
 import yaml
 
 from xbn.config import load_params
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def prefect_harness(tmp_path_factory):
-    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect_home"))
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 def test_tune_flow_runs_the_study_and_merges_the_best_values(prefect_harness, project, tmp_path):
