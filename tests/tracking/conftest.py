@@ -33,3 +33,10 @@ def params(tmp_path, monkeypatch, mlflow_store_template) -> Params:
     })
     while mlflow.active_run():  # a failed assertion inside a run must not leak it into the next test
         mlflow.end_run()
+
+
+@pytest.fixture
+def served(params) -> Params:
+    """The shipped setting: promote_with_index true (the tracking tests' fixture turns it off)."""
+    return Params.model_validate({**params.model_dump(), "registry": {**params.registry.model_dump(),
+                                                                     "promote_with_index": True}})

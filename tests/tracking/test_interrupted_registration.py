@@ -3,7 +3,9 @@
 The kill is a real SIGKILL of an `xbn register` process at a named fault point (xbn.utils.faults): after the
 version was created, and after the champion alias moved. The next register of the same model completes it: one
 version per model sha256, the aliases, the decision tags and the champion history agree, and the model card is
-written. A version whose champion moved (by a person) while its registration was interrupted is held."""
+written. A version whose champion moved (by a person) while its registration was interrupted is held. At the
+shipped setting (promote last), `xbn register` and `xbn index` killed at each of their fault points leave a
+champion that a search loads and answers from, checkpoint and index."""
 
 from __future__ import annotations
 
@@ -15,22 +17,33 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from xbn.stages.index import index
+from xbn.stages.loop import repair
 from xbn.stages.register import promote, register
+from xbn.stages.serve import search
 from xbn.tracking import Registry
 from xbn.tracking.registry import SHA_TAG
 
-from .helpers import next_model, run_pipeline, state, write_model
+from .helpers import next_model, run_pipeline, state, write_images, write_model
 
 
-def killed_register(params, tmp_path, point: str) -> None:
-    """`xbn register` in its own process, SIGKILLed at `point`; the next model is written and its run started
-    first, as `dvc repro`'s train stage does."""
+def killed_register(params, tmp_path, point: str, command: str = "register") -> None:
+    """`xbn register` (or `command`) in its own process, SIGKILLed at `point`; the next model is written and its
+    run started first, as `dvc repro`'s train stage does."""
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
     env = {**os.environ, "XBN_FAULT": f"{point}:kill"}
-    done = subprocess.run([sys.executable, "-m", "xbn.cli", "register", "--params", str(path), "-q"], cwd=tmp_path,
+    done = subprocess.run([sys.executable, "-m", "xbn.cli", command, "--params", str(path), "-q"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == -9, done.stderr[-3000:]
+
+
+def serving_version(params, query) -> int:
+    """The version a search through the registry's champion answers from, as `xbn search` and a restarted
+    `xbn serve` load it (the champion's checkpoint and its whole index, verified), with a hit for the query."""
+    results, loaded = search(params, [str(query)], k=1)
+    assert "error" not in results[0] and len(results[0]["results"]) == 1, results
+    return int(loaded.version)
 
 
 def test_killed_after_create_or_after_the_alias_moved_the_next_register_completes_it(params, tmp_path):
@@ -74,6 +87,34 @@ def test_killed_around_the_champions_move_the_move_is_logged_once(params, tmp_pa
     client = MlflowClient(params.tracking.uri)
     sha = after["versions"][2][SHA_TAG]
     assert len(client.search_model_versions(f"tags.{SHA_TAG} = '{sha}'")) == 1  # one version per model
+
+
+@pytest.mark.parametrize(("command", "point"), [
+    ("register", "register.after_create"), ("index", "index.after_attach"),
+    ("index", "promotion.after_history"), ("index", "register.after_champion"),
+])
+def test_killed_anywhere_in_a_promotion_the_champion_serves_and_the_next_run_completes_it(served, tmp_path,
+                                                                                          command, point):
+    """At the shipped setting (promote last): v2, promoted by the gate, is registered and then indexed, each in
+    its own process killed at one of its fault points. Whatever the point, a search through the registry
+    answers from a champion whose checkpoint and index load (v1, or v2 once its alias moved), and the next
+    run's repair leaves v2 serving."""
+    query = write_images(tmp_path / "queries")[0]
+    run_pipeline(served, seed=0, blind=True)
+    index(served)
+    next_model(served, seed=1)  # a seeing model: the gate promotes it over the blind v1
+    if command == "index":
+        assert register(served)["registration"] == "awaiting_index"
+    killed_register(served, tmp_path, point, command)
+    champion = state(served)["champion"]
+    assert champion == (2 if point == "register.after_champion" else 1)
+    assert serving_version(served, query) == champion
+    next_model(served, seed=2)  # next week's training
+    repair(served)
+    after = state(served)
+    assert after["champion"] == 2 and after["versions"][2]["registration"] == "done"
+    assert after["history"] == [("gate", None, 1), ("gate", 1, 2)]
+    assert serving_version(served, query) == 2
 
 
 def test_a_resumed_promotion_whose_champion_moved_meanwhile_is_held(params, tmp_path):

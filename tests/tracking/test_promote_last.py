@@ -1,29 +1,18 @@
 """Promote last (issue 40 item 1): a version becomes champion only once its index is attached and verified, so
 the champion always serves; until then the old champion serves and the new one is the challenger, tagged
-`registration: awaiting_index`. The kill is a real SIGKILL of an `xbn index` process at a named fault point."""
+`registration: awaiting_index`. The kills (`xbn register` and `xbn index` SIGKILLed at their fault points, the
+champion searched meanwhile) are in test_interrupted_registration.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
-import yaml
 
-from xbn.config import Params
 from xbn.stages.index import index, index_version
 from xbn.stages.register import complete_interrupted, promote, register, rollback
 from xbn.utils.errors import RegistryError
 
 from .helpers import next_model, run_pipeline, state
-
-
-@pytest.fixture
-def served(params) -> Params:
-    """The shipped setting: promote_with_index true (the tracking tests' fixture turns it off)."""
-    return Params.model_validate({**params.model_dump(), "registry": {**params.registry.model_dump(),
-                                                                     "promote_with_index": True}})
 
 
 def test_the_gates_promotion_takes_effect_once_the_index_is_attached(served):
@@ -67,25 +56,6 @@ def test_a_person_cannot_promote_or_roll_back_to_a_version_that_could_not_serve(
     assert state(served)["champion"] == 2
     rollback(served, "back", user="alice")  # v1 has its index: allowed
     assert state(served)["champion"] == 1
-
-
-def test_killed_after_the_index_was_attached_the_next_run_completes_the_promotion(served, tmp_path):
-    run_pipeline(served, seed=0, blind=True)
-    index(served)
-    next_model(served, seed=1)
-    register(served)  # v2: awaiting its index
-    path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(served.model_dump(mode="json"), sort_keys=False))
-    done = subprocess.run([sys.executable, "-m", "xbn.cli", "index", "--params", str(path), "-q"], cwd=tmp_path,
-                          env={**os.environ, "XBN_FAULT": "index.after_attach:kill"}, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == -9, done.stderr[-3000:]
-    before = state(served)
-    assert before["champion"] == 1 and before["versions"][2]["registration"] == "awaiting_index"
-    next_model(served, seed=7)  # next week's training: another model on disk
-    reports = complete_interrupted(served)  # the index is there now: the promotion completes
-    assert [(r["version"], r["registration"], r["champion_version"]) for r in reports] == [(2, "done", 2)]
-    assert state(served)["history"] == [("gate", None, 1), ("gate", 1, 2)]
 
 
 def test_an_interrupted_promotion_without_its_index_stays_waiting_until_indexed(served):
