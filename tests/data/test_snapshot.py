@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from hypothesis import strategies as st
 
 from xbn.config import ConfigError
 from xbn.data import DatasetError
@@ -202,3 +204,56 @@ def test_dvc_files_a_kill_cut_short_are_repaired_and_the_snapshot_goes_on(projec
     (project / ".dvc" / "tmp" / "rwlock").write_text('{"read": {"x": [{"pid": 1')  # truncated JSON
     assert snapshot(params).md5 == first.md5
     assert not any(json.loads((project / ".dvc" / "tmp" / "rwlock").read_text()).values())
+
+
+# A field DVC could write, or one it never would: separators, '..', absolute paths, NUL, other types, odd sizes.
+_HOSTILE_TEXT = st.one_of(st.text(max_size=40), st.sampled_from(["..", ".", "", "/", "../victim", "victim/../..",
+                                                                    "/tmp", "a\0b", "x\\y", "catalogue/", "~"]))
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**12), st.floats(allow_nan=True), _HOSTILE_TEXT,
+                 st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+_HEX = st.text("0123456789abcdef", min_size=32, max_size=32)
+_VALUE = st.one_of(_ANY, _HEX, _HEX.map(lambda h: h + ".dir"), _HOSTILE_TEXT.map(lambda t: t + ".dir"))
+# A real record with up to three fields replaced (or added): one field off is what a check most easily misses.
+_CHANGES = st.dictionaries(st.sampled_from(["md5", "path", "size", "nfiles", "hash", "cache", "remote"]), _VALUE,
+                           max_size=3)
+
+
+def test_any_restore_record_is_a_clear_error_or_touches_nothing_outside_its_folder(project, tiny_params, tmp_path):
+    """Issue 53 item 8: every field of the record randomised (hypothesis), the real snapshot's among the values.
+    Each restore either raises one of xbn's errors, naming the field or the snapshot, or brings the folder back
+    into its destination; either way no file outside the destination changes (the project's DVC internals
+    aside) and no destination is left half made."""
+    from hypothesis import HealthCheck, example, given, settings
+
+    real = snapshot(prepared(tiny_params)).dvc_record()["outs"][0]
+    victim = tmp_path / "victim"
+    (victim / "x").mkdir(parents=True)
+    (victim / "x" / "keep.txt").write_text("mine")
+
+    def outside() -> dict[str, str]:  # every destination is a new folder under restored/
+        return {k: v for k, v in digests(tmp_path).items() if not k.startswith(("restored/", "project/.dvc/"))}
+
+    before = outside()
+    tries = iter(range(10**6))
+
+    @settings(max_examples=60, derandomize=True, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(changes=_CHANGES)
+    @example(changes={"nfiles": None})  # DVC's schema refused the null that the check let through
+    @example(changes={"path": "\U00010000"})  # written as a surrogate pair (JSON's escape), which YAML refused
+    @example(changes={"path": "\ud800"})  # a lone surrogate: no file can be named so
+    def check(changes):
+        dest = tmp_path / "restored" / str(next(tries))
+        out = {**real, **changes}
+        try:
+            count = restore({"outs": [out]}, dest)
+        except (DatasetError, FileExistsError, ServiceUnavailableError) as exc:
+            assert re.search(r"record's (md5|path|size|nfiles)|is neither in the DVC remote", str(exc)), exc
+            assert not dest.exists()
+        else:
+            assert count == real["nfiles"] and digests(dest) == digests(project / "data/catalogue")
+        now = outside()
+        assert now == before, sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
+        assert not list(project.glob(".xbn-restore*")) and not list(dest.parent.glob(".*.restoring-*"))
+
+    check()

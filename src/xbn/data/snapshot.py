@@ -139,6 +139,14 @@ def snapshot(params: Params, push: bool = True) -> DataSnapshot:
 DVC_MD5 = re.compile(r"[0-9a-f]{32}(\.dir)?")
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # a lone surrogate: no file name on this machine, and no `.dvc` file can hold it
+        return False
+    return True
+
+
 def checked_output(record: Any) -> dict[str, Any]:
     """The one output of a `.dvc` record read back from a run, as DVC would have written it, or DatasetError
     naming the field. The record is untrusted input: anyone who may log to the run can rewrite it, and its
@@ -151,14 +159,17 @@ def checked_output(record: Any) -> dict[str, Any]:
     if not isinstance(md5, str) or not DVC_MD5.fullmatch(md5):
         raise DatasetError(f"the data record's md5 {md5!r} is not one DVC writes (32 hex digits, optionally "
                            "'.dir'): refusing to restore it")
-    if not isinstance(path, str) or path in ("", ".", "..") or "/" in path or "\\" in path or "\0" in path:
-        raise DatasetError(f"the data record's path {path!r} is not a folder name (no separators, not '.' or "
-                           "'..'): refusing to restore it")
+    if (not isinstance(path, str) or path in ("", ".", "..") or "/" in path or "\\" in path
+            or not path.isprintable() or not _utf8(path)):
+        raise DatasetError(f"the data record's path {path!r} is not a folder name (printable UTF-8, no "
+                           "separators, not '.' or '..'): refusing to restore it")
     for key in ("size", "nfiles"):
         value = out.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise DatasetError(f"the data record's {key} {value!r} is not a count: refusing to restore it")
-    return {"md5": md5, "size": out.get("size"), "nfiles": out.get("nfiles"), "hash": "md5", "path": path}
+    # A count the record leaves out (or null) is left out: DVC's schema takes a missing one, not a null.
+    counts = {key: out[key] for key in ("size", "nfiles") if out.get(key) is not None}
+    return {"md5": md5, **counts, "hash": "md5", "path": path}
 
 
 def restore(record: Mapping[str, Any], destination: str | Path) -> int:
@@ -181,7 +192,9 @@ def restore(record: Mapping[str, Any], destination: str | Path) -> int:
         # A `.dvc` file in the project, for DVC to resolve; removed afterwards (it records nothing new).
         holder = Path(tempfile.mkdtemp(prefix=".xbn-restore-", dir=repo.root_dir))
         try:
-            (holder / f"{out['path']}.dvc").write_text(json.dumps({"outs": [out]}))  # YAML is a superset of JSON
+            # YAML is a superset of JSON, but not of its \\ud83d-style surrogate pairs: characters written as such.
+            (holder / f"{out['path']}.dvc").write_text(json.dumps({"outs": [out]}, ensure_ascii=False),
+                                                       encoding="utf-8")
             # Beside the destination, so that the final rename stays on one filesystem.
             staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.restoring-", dir=destination.parent))
             try:
