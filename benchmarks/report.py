@@ -763,12 +763,14 @@ def main(argv: list[str] | None = None) -> Path:
         parts.append(text.rstrip("\n") + "\n" + verdict_summary.section_targets(found))
         targets.extend(found)
     mechanism = [d for p in sorted(RESULTS_DIR.glob("mech_b*.json")) if (d := _load(p.stem))]
-    grids = [d for name in ("grid_collapse", "grid_fix") if (d := _load(name))]  # oldest first
+    grids = [d for name in ("grid_collapse", "grid_fix", "grid_fix_omniglot") if (d := _load(name))]  # oldest first
     if mechanism or grids:  # section 15: issue 52's collapse of the memory
         from benchmarks import collapse_study
 
         text, found = collapse_study.render(mechanism, grids, _header, paired_difference)
-        found = verdict_summary.annotate(found, grids[-1], text) if grids else found
+        # Each target names its grid, whose machine it was measured on (one grid per dataset stands).
+        found = [t for data in grids for t in verdict_summary.annotate(
+            [t for t in found if t["file"] == data["_file"]], data, text)]
         parts.append(text.rstrip("\n") + ("\n" + verdict_summary.section_targets(found) if found else "\n"))
         targets.extend(found)
     intro = ["# Benchmarks", "",
