@@ -61,19 +61,40 @@ def recomputed_recall_at_1(params, split: str, model_path: str | Path = "models/
     return brute_force_recall_at_1(*split_embeddings(params, split, model_path))
 
 
-def fresh_environment(venv: Path, with_pip: bool = False) -> Path:
-    """A new virtual environment without xbn, and its python: the dependencies are this environment's, added by
-    path (a .pth line does not run that folder's own .pth files, so the editable link to the checkout stays
-    out). A fresh download of the dependencies would be gigabytes of torch."""
+# What a fresh environment may take from this one by path, gigabytes each: torch and torchvision with the CUDA
+# libraries and triton that torch's wheel requires (their dist-info too, so that pip sees them installed).
+LOCAL_ONLY = ("torch", "torchgen", "torchvision", "nvidia", "triton", "cuda")
+
+
+def fresh_environment(venv: Path, with_pip: bool = False, requirements: list[str] | None = None) -> Path:
+    """A new virtual environment without xbn, and its python.
+
+    Without `requirements`, the dependencies are this environment's, added by path (a .pth line does not run that
+    folder's own .pth files, so the editable link to the checkout stays out). With them, it gets exactly those,
+    installed by pip from the package index as a serving host would, except `LOCAL_ONLY` (torch and what its wheel
+    brings), linked from this environment: a download of those would be gigabytes."""
     import subprocess
     import sys
     import sysconfig
 
-    subprocess.run([sys.executable, "-m", "venv", *([] if with_pip else ["--without-pip"]), str(venv)], check=True)
+    here = Path(sysconfig.get_paths()["purelib"])
+    pip = with_pip or requirements is not None
+    subprocess.run([sys.executable, "-m", "venv", *([] if pip else ["--without-pip"]), str(venv)], check=True)
     python = venv / "bin" / "python"
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
-    (Path(site) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    if requirements is None:
+        (site / "dependencies.pth").write_text(f"{here}\n")
+    else:
+        local = venv / "local-torch"
+        local.mkdir()
+        for entry in here.iterdir():
+            if entry.name.lower().startswith(LOCAL_ONLY):
+                (local / entry.name).symlink_to(entry)
+        (site / "local-torch.pth").write_text(f"{local}\n")
+        done = subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q",
+                               *requirements], capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
     missing = subprocess.run([str(python), "-c", "import xbn"], capture_output=True, text=True, cwd=venv)
     assert missing.returncode != 0 and "No module named 'xbn'" in missing.stderr, missing.stderr
     return python

@@ -95,14 +95,16 @@ def test_mlflow_models_serve_embeds_base64_images_as_xbn_embed(project, tmp_path
     assert rows[-1] == {"embedding": None,
                         "error": f"row {len(files)}: cannot read the image: not an image format PIL can identify"}
 
-    # The model carries xbn's code: it loads and embeds in a new environment without xbn, outside the checkout.
+    # The model carries xbn's code: it loads and embeds in a new environment without xbn, outside the checkout,
+    # which holds what the model's requirements.txt names and nothing else.
     import mlflow
 
     model = Path(mlflow.artifacts.download_artifacts(f"models:/{project.registry.model_name}/{report['version']}",
                                                      dst_path=str(tmp_path / "downloaded"),
                                                      tracking_uri=project.tracking.uri))
     assert (model / "code" / "xbn" / "tracking" / "pyfunc.py").is_file()
-    python = fresh_environment(tmp_path / "venv")
+    # Exactly the model's own requirements, installed by pip (torch alone linked from here: gigabytes).
+    python = fresh_environment(tmp_path / "venv", requirements=["-r", str(model / "requirements.txt")])
     script = (f"import json, mlflow.pyfunc, pandas as pd\n"
               f"model = mlflow.pyfunc.load_model({str(model)!r})\n"
               f"files = {[str(f) for f in files]!r}\n"
