@@ -40,8 +40,9 @@ from xbn.evaluation.knn import as_float32_matrix, knn_search
 from xbn.serving.mapped_refine import MappedRefine, StoreMismatch, open_store
 from xbn.serving.model import ServedModel
 from xbn.utils.errors import IntegrityError
+from xbn.utils.faults import fault_point
 from xbn.utils.integrity import verify_listed
-from xbn.utils.io import atomic_path, file_digest, write_json
+from xbn.utils.io import atomic_folder, file_digest, write_json
 
 log = logging.getLogger(__name__)
 
@@ -397,20 +398,22 @@ class CatalogueIndex:
         return int(keep.sum())
 
     def save(self, directory: str | Path) -> Path:
-        """Write the three files atomically, `index.json` last (it names the other two's bytes)."""
+        """Write the three files into a new folder, `index.json` last (it names the other two's bytes), which then
+        replaces `directory` whole (`atomic_folder`): two builders of one output leave one's index, never a mix
+        that the hashes would certify."""
         directory = Path(directory)
         assert isinstance(self.index, faiss.Index), "an on-disk index is written by xbn.serving.shards"
-        with atomic_path(directory / INDEX_FILE) as tmp:
-            faiss.write_index(self.index, str(tmp))
-        with atomic_path(directory / IDS_FILE) as tmp:
-            self.ids.to_parquet(tmp, index=False)
-        meta = {
-            **self.meta,
-            "count": self.count,
-            "dim": self.dim,
-            "sha256": {name: file_digest(directory / name) for name in (INDEX_FILE, IDS_FILE)},
-        }
-        write_json(directory / META_FILE, meta)
+        with atomic_folder(directory) as building:
+            faiss.write_index(self.index, str(building / INDEX_FILE))
+            self.ids.to_parquet(building / IDS_FILE, index=False)
+            meta = {
+                **self.meta,
+                "count": self.count,
+                "dim": self.dim,
+                "sha256": {name: file_digest(building / name) for name in (INDEX_FILE, IDS_FILE)},
+            }
+            write_json(building / META_FILE, meta)
+            fault_point("index.before_swap")
         self.meta = meta
         return directory
 

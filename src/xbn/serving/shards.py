@@ -58,7 +58,8 @@ from xbn.serving.index import (
     unit_rows,
 )
 from xbn.serving.mapped_refine import REFINE_FILE, MappedRefine, open_store, write_store
-from xbn.utils.io import atomic_path, file_digest, write_json
+from xbn.utils.faults import fault_point
+from xbn.utils.io import atomic_folder, atomic_path, file_digest, write_json
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +109,27 @@ def build_sharded(
     recall_queries: int | None = None,
 ) -> CatalogueIndex:
     """An on-disk IVF index folder at `directory` over the embedding files `shards` (outputs of `xbn embed`,
-    one per part of the catalogue; row order: the shards' in turn). The shards must come from one model."""
+    one per part of the catalogue; row order: the shards' in turn). The shards must come from one model. Built
+    in a new folder that then replaces `directory` whole (`atomic_folder`): two builders never mix their files.
+    The returned index maps files that moved with their folder (open maps follow the files, not the names)."""
+    with atomic_folder(directory) as building:
+        catalogue = _build_sharded_in(shards, building, cfg, model_sha256, recall_queries)
+        fault_point("index.before_swap")
+    log.info("index: on-disk %s over %d x %d from %d shard(s), recall@%d %.4f -> %s", cfg.type, catalogue.count,
+             catalogue.dim, len(shards), RECALL_K, catalogue.meta[f"recall@{RECALL_K}"], directory)
+    return catalogue
+
+
+def _build_sharded_in(shards: Sequence[str | Path], directory: Path, cfg: IndexConfig, model_sha256: str,
+                      recall_queries: int | None) -> CatalogueIndex:
     paths = [Path(s) for s in shards]
     if not paths:
         raise ValueError("no embedding shards to index")
     frames = [_id_columns(s) for s in paths]  # the id maps: paths and labels, no embeddings
     counts = [len(f) for f in frames]
     total, dim = sum(counts), _dim(paths[0])
-    directory = Path(directory)
-    work = directory.with_name(f".{directory.name}.shards")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    work = directory / ".shards"  # inside the new folder: each builder has its own
+    work.mkdir()
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -187,8 +198,6 @@ def build_sharded(
         "sha256": {name: file_digest(directory / name) for name in (*files, IDS_FILE)},
     }
     write_json(directory / META_FILE, meta)  # last: it names the bytes of the others
-    log.info("index: on-disk %s over %d x %d from %d shard(s), recall@%d %.4f -> %s", cfg.type, total, dim,
-             len(paths), RECALL_K, recall, directory)
     return CatalogueIndex(index, ids, meta)
 
 

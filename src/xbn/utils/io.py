@@ -15,6 +15,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import socket
 import threading
 import time
@@ -54,6 +55,52 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             _LIVE.discard(tmp_path.absolute())
 
 
+@contextlib.contextmanager
+def atomic_folder(path: str | Path) -> Iterator[Path]:
+    """Yield a new empty folder beside `path`; on success it takes `path`'s place whole: the old folder is moved
+    aside, the new one renamed in, the old one removed. Two writers each fill a folder of their own, so the
+    result is one writer's folder, never a mix of both (the last to finish wins), and a reader sees the old
+    folder, then briefly none, then the new one. On failure the new folder is removed; folders left by writers
+    killed on this host are removed first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mine = re.compile(rf"\.{re.escape(path.name)}\.(?P<host>.+)\.(?P<pid>\d+)\.[0-9a-f]{{8}}\.(building|old)")
+    for entry in sorted(os.scandir(path.parent), key=lambda e: e.name):
+        if (found := mine.fullmatch(entry.name)) and found["host"] == _HOST and not _alive(int(found["pid"])):
+            if entry.name.endswith(".old") and not path.exists():  # killed between its two renames: put it back
+                os.rename(entry.path, path)
+            else:
+                shutil.rmtree(entry.path, ignore_errors=True)
+    tag = f"{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
+    building = path.with_name(f".{path.name}.{tag}.building")
+    building.mkdir()
+    try:
+        yield building
+        while True:
+            old = path.with_name(f".{path.name}.{tag}.old")
+            with contextlib.suppress(FileNotFoundError):
+                path.rename(old)
+            try:
+                building.rename(path)
+            except OSError:  # another writer renamed its folder in since ours moved the old one aside: again
+                shutil.rmtree(old, ignore_errors=True)
+                continue
+            shutil.rmtree(old, ignore_errors=True)
+            return
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
 def remove_stale_temps(path: str | Path) -> list[Path]:
     """Remove the temp files that writers of `path` killed mid-write left beside it; returns them."""
     path = Path(path)
@@ -88,13 +135,7 @@ def _writing(pid: int, temp: Path) -> bool:
     if pid == os.getpid():
         with _LIVE_LOCK:
             return temp.absolute() in _LIVE
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
+    return _alive(pid)
 
 
 def write_text(path: str | Path, text: str) -> None:
