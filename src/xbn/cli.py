@@ -412,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "each on CUDA); train.batch_size stays the global batch")
     nodes = train.add_argument_group(
         "several machines", "run the same command on each machine, --node-rank 0 on the one at --rdzv-endpoint; "
-        "data and train.checkpoint_dir on a shared filesystem (README: Training on several machines)")
+        "data and train.checkpoint_dir on a shared filesystem (docs/training.md: Training on several machines)")
     nodes.add_argument("--nnodes", type=_positive_int, default=1, metavar="N",
                        help="machines taking part, each running --nproc processes (torchrun's c10d rendezvous)")
     nodes.add_argument("--node-rank", type=_non_negative_int, default=None, metavar="R",

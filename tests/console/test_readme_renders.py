@@ -1,16 +1,18 @@
-"""The README as a CommonMark renderer (GitHub's) shows it, parsed with markdown-it-py: every code fence closes
-where it should (a closing fence cannot carry text: "``` The embedded" once opened a block that swallowed the
-"Using it" section), no heading sits inside a code block, and every relative link points at a file that exists."""
+"""The README and the docs pages as a CommonMark renderer (GitHub's) shows them, parsed with markdown-it-py: every
+code fence closes where it should (a closing fence cannot carry text: "``` The embedded" once opened a block that
+swallowed the "Using it" section), no heading sits inside a code block, and every relative link points at a file
+that exists. The README is a front page: at most 200 lines, no tracker numbers, nothing undefined."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 from markdown_it import MarkdownIt
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCUMENTS = [ROOT / "README.md", ROOT / "infra" / "README.md"]
+DOCUMENTS = [ROOT / "README.md", ROOT / "infra" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def problems(text: str, folder: Path) -> list[str]:
@@ -47,3 +49,12 @@ def test_the_checks_catch_a_fence_closed_with_text_and_a_broken_link(tmp_path):
     found = problems(broken, tmp_path)
     assert any("never closes" in p for p in found) and any("heading inside" in p for p in found)
     assert any("nowhere.md" in p for p in found)
+
+
+def test_the_readme_is_a_front_page():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    # A reader cannot see our tracker, nor the seed papers' numbering; the docs pages carry the detail.
+    assert not re.findall(r"(?i)\bissues? \d+|seed 00\d|section \d+", text)
+    for page in re.findall(r"\]\((docs/[^)#]+)", text):
+        assert (ROOT / page).exists(), page

@@ -17,7 +17,8 @@ from xbn.tracking.services import mask_secrets
 
 
 def weights_line(trained: Params) -> str:
-    """Where the backbone's weights came from, and what is known of their licence (README, "Licence")."""
+    """Where the backbone's weights came from, and what is known of their licence (docs/development.md,
+    "Licence, weights, versions")."""
     model = trained.model
     if model.pretrained_path:
         return f"your own state dict `{model.pretrained_path}` (its licence is yours to check)"
@@ -41,8 +42,8 @@ GATE_INTERVAL_TAG = "gate_interval"  # the comparison in short: `+0.0120 [-0.004
 # next register), then `decided_at` and `reason`; `previous_champion` is added when the version replaces a
 # champion. Everything else is in the model card and on the logged model (`Registry.record`). The set is pinned by tests/tracking/test_registry.py.
 
-# Issue 42: the card says where the trained loss departs from the paper it cites, and why (README, "Where xbn
-# departs from seed 000's XBN").
+# Issue 42: the card says where the trained loss departs from the paper it cites, and why (docs/method.md,
+# "Where xbn departs from seed 000's XBN").
 DEPARTURE = ("- departs from seed 000's XBN, which takes the memory loss alone: the minibatch loss is added, as the "
              "official XBM code does; alone, the memory loss never beat no memory at batch 64 on any set xbn "
              "measured (docs/benchmarks.md, section 6b)")
