@@ -89,10 +89,10 @@ def test_killed_around_the_champions_move_the_move_is_logged_once(params, tmp_pa
     assert len(client.search_model_versions(f"tags.{SHA_TAG} = '{sha}'")) == 1  # one version per model
 
 
-@pytest.mark.parametrize(("command", "point"), [
-    ("register", "register.after_create"), ("index", "index.after_attach"),
-    ("index", "promotion.after_history"), ("index", "register.after_champion"),
-])
+# The two outcomes: killed before the alias moved (v1 serves; after_attach and the history entry are alike, and
+# cost 45 s each) and after it (v2 serves).
+@pytest.mark.parametrize(("command", "point"), [("register", "register.after_create"),
+                                                ("index", "register.after_champion")])
 def test_killed_anywhere_in_a_promotion_the_champion_serves_and_the_next_run_completes_it(served, tmp_path,
                                                                                           command, point):
     """At the shipped setting (promote last): v2, promoted by the gate, is registered and then indexed, each in
