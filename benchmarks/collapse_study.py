@@ -42,6 +42,11 @@ ARM_CHANGES = {
 }
 # The arms the targets compare, in the newest grid's names first (`grid_fix.json`), then `grid_collapse.json`'s.
 ORACLE_ARMS, XBN_ARMS, XBM_ARMS = ("oracle_c", "oracle"), ("xbn_c", "xbn"), ("xbm_c", "xbm")
+MIN_SEEDS = 3  # a comparison over fewer paired seeds is shown, and judged inconclusive
+
+
+def _judged(d: dict[str, Any], met: bool) -> str:
+    return ("met" if met else "missed") if d["seeds"] >= MIN_SEEDS else "inconclusive"
 # Step offsets after the memory joins at which the mechanism table reads the batch's figures.
 AFTER = 40
 
@@ -119,7 +124,7 @@ def targets(grid: dict[str, Any], diffs: dict[int, dict[str, Any]]) -> list[dict
             found.append({"what": f"{dataset}, batch {batch}: oracle (memory loss alone) - none, paired mean",
                           "at_least": -0.01, "value": f"{oracle['mean']:+.3f} [{oracle['low']:+.3f}, "
                                                       f"{oracle['high']:+.3f}]",
-                          "verdict": "met" if oracle["mean"] >= -0.01 else "missed"})
+                          "verdict": _judged(oracle, oracle["mean"] >= -0.01)})
     return [t | {"section": "15", "file": grid["_file"]} for t in found]
 
 
@@ -201,7 +206,7 @@ def render(mechanism: list[dict[str, Any]], grids: list[dict[str, Any]], header,
                     f"{d['high']:+.3f}] over {d['seeds']} seeds.", ""]
             found.append({"what": f"{dataset}, batch 16: XBN - XBM (memory loss alone), interval above 0",
                           "at_least": 0, "value": f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]",
-                          "verdict": "met" if d["low"] > 0 else "missed", "section": "15", "file": grid["_file"]})
+                          "verdict": _judged(d, d["low"] > 0), "section": "15", "file": grid["_file"]})
         if (promise := best_small_over_large_none(grid, paired_difference)) is not None:
             arm, d = promise
             out += [f"The seed's promise on {dataset}: the best memory arm at batch 16 (`{arm}`, by its mean) − "
@@ -209,7 +214,7 @@ def render(mechanism: list[dict[str, Any]], grids: list[dict[str, Any]], header,
                     f"{d['seeds']} seeds.", ""]
             found.append({"what": f"{dataset}: best memory at batch 16 ({arm}) - none at batch 64, paired mean",
                           "at_least": 0, "value": f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]",
-                          "verdict": "met" if d["mean"] >= 0 else "missed", "section": "15",
+                          "verdict": _judged(d, d["mean"] >= 0), "section": "15",
                           "file": grid["_file"]})
         newest[dataset] = found
     found = [t for dataset_targets in newest.values() for t in dataset_targets]

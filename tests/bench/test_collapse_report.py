@@ -43,3 +43,11 @@ def test_each_dataset_keeps_its_newest_grid_and_the_promise_pairs_batch_16_with_
     # xbn* is the best memory at batch 16 (0.76 on the mean); against none at batch 64: +0.01, +0.02, +0.01
     assert "(xbn*)" in promise["what"] and promise["value"].startswith("+0.013") and promise["verdict"] == "met"
     assert "`none` at batch 64, paired by seed: +0.013" in text
+
+
+def test_fewer_than_three_paired_seeds_are_shown_and_judged_inconclusive():
+    grid = _grid("grid_fix", {"none": [0.50, 0.49], "oracle_c": [0.60, 0.61], "xbn_c": [0.70, 0.71],
+                              "xbm_c": [0.40, 0.41]})
+    _, found = collapse_study.render([], [grid], report._header, report.paired_difference)
+    judged = [t for t in found if "warm-up" not in t["what"]]
+    assert judged and {t["verdict"] for t in judged} == {"inconclusive"}
