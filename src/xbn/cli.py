@@ -275,7 +275,7 @@ def _stage_run(params: Params, args) -> Report:
         if name == args.until:
             break
         if name == "prepare" and params.tracking.enabled:
-            _repair(params)  # as the retrain flow does, before "nothing changed"
+            _repair(params, args)  # as the retrain flow does, before "nothing changed"
         if name == "prepare" and not args.force:
             from xbn.stages.schedule import unchanged_since_champion
 
@@ -284,13 +284,25 @@ def _stage_run(params: Params, args) -> Report:
     return _summary(params, args)
 
 
-def _repair(params: Params) -> None:
+def _repair(params: Params, args) -> None:
     """What a killed run left behind (an unfinished registration, a champion without its index), repaired
-    without training before the plan (xbn.stages.loop), each said on stderr and notified."""
-    from xbn.stages.loop import repair
+    without training before the plan (xbn.stages.loop), each said on stderr and notified. A champion that serves
+    the whole catalogue gets its index back from the catalogue flow, as the retrain flow's repair does, not from
+    the dataset's gallery (which would serve a fraction of the catalogue, and no check would notice)."""
+    from xbn.stages.loop import RepairSteps, repair
     from xbn.stages.notify import notify
 
-    for repaired in repair(params):
+    steps = RepairSteps()
+    if params.catalogue.source and params.catalogue.on_promotion:
+        def attach_catalogue(_: Params, version: int) -> dict:
+            from xbn.flows import prefect_api
+            from xbn.flows.catalogue import catalogue
+
+            with prefect_api():
+                return catalogue(args.params, args.overrides, version)
+
+        steps = RepairSteps(attach_index=attach_catalogue)
+    for repaired in repair(params, steps):
         print(f"xbn run: {repaired.line}", file=sys.stderr)
         notify(params, repaired.title, f"xbn run: {repaired.line}")
 

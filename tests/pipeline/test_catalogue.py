@@ -198,6 +198,30 @@ def test_a_worker_killed_mid_shard_costs_only_its_progress(cluster, prefect_harn
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "catalogue").rglob("*.parquet")} == files
 
 
+def test_xbn_runs_repair_gives_a_catalogue_champion_its_catalogue_back(cluster, prefect_harness, champion,
+                                                                      monkeypatch):
+    """Issue 54 item 7: a champion that serves the whole catalogue lost its index (the tag no longer names its
+    bytes). `xbn run`'s repair, before its plan, re-indexes the catalogue as the retrain flow's repair does;
+    it indexed the dataset's gallery instead, and the champion then served a fraction of the catalogue."""
+    from argparse import Namespace
+
+    from xbn.cli import _repair
+    from xbn.stages.index import champion_index_problem
+    from xbn.stages.serve import load
+    from xbn.tracking import Registry
+    from xbn.tracking.registry import INDEX_SHA_TAG
+
+    address, _, workers = cluster
+    workers()
+    monkeypatch.setenv("DASK_SCHEDULER_ADDRESS", address)
+    gallery = load(champion).index.count
+    Registry(champion).set_tags(1, {INDEX_SHA_TAG: "0" * 64})
+    assert champion_index_problem(champion)["version"] == 1
+    _repair(champion, Namespace(params="params.yaml", overrides=OVERRIDES))
+    assert champion_index_problem(champion) is None
+    assert load(champion).index.count == 2000 != gallery  # the catalogue's images, not the gallery's
+
+
 def test_a_remote_parquet_catalogue_goes_live_on_disk_and_serving_follows_it(tmp_path, monkeypatch, glyph_root):
     """The stage's steps without a cluster: a parquet of paths at an fsspec URL (the in-memory filesystem,
     standing in for s3://) whose vectors exceed the memory budget, so the index is faiss's on-disk IVF; a
