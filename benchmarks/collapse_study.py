@@ -129,11 +129,18 @@ def targets(grid: dict[str, Any], diffs: dict[int, dict[str, Any]]) -> list[dict
 
 
 def xbn_over_xbm(grid: dict[str, Any], paired, batch: int = 16) -> dict[str, Any] | None:
+    """XBN - XBM (memory loss alone), paired, with `untrained`: the arms' runs that never beat their warm-up
+    checkpoint (an arm that did not train is no evidence for the ordering)."""
     dataset = grid["runs"][0]["dataset"]
     methods = {r["method"] for r in grid["runs"]}
     xbn = next((a for a in XBN_ARMS if a in methods), None)
     xbm = next((a for a in XBM_ARMS if a in methods), None)
-    return paired(grid["runs"], dataset, batch, xbn, xbm) if xbn and xbm else None
+    d = paired(grid["runs"], dataset, batch, xbn, xbm) if xbn and xbm else None
+    if d is not None:
+        warmup = grid["settings"]["scales"][dataset]["warmup_epochs"]
+        d["untrained"] = [f"{r['method']} s{r['seed']}" for r in grid["runs"] if r["method"] in (xbn, xbm)
+                          and r["batch"] == batch and r.get("best_epoch", warmup + 1) <= warmup]
+    return d
 
 
 def best_small_over_large_none(grid: dict[str, Any], paired, small: int = 16, large: int = 64
@@ -163,7 +170,8 @@ GRID_NOTES = {
                 "bit-identical to that file's (`none` included).",
     "grid_fix_omniglot": "`grid_fix.json`'s arms on Omniglot at 64 px (306 training classes of 20 drawings, 1 + 4 "
                          "epochs), without the oracle (three times the others' cost): the memory loss alone "
-                         "(`_c`, centred) at batch 16, the shipped default `xbn*` and `none` at both batches.",
+                         "(`_c`, centred), the shipped default `xbn*` and `none` at batch 16; `none` and `xbn*` "
+                         "at batch 64 join with `--resume --batches 64 --methods none xbn*`.",
 }
 
 
@@ -204,9 +212,14 @@ def render(mechanism: list[dict[str, Any]], grids: list[dict[str, Any]], header,
         if (d := xbn_over_xbm(grid, paired_difference)) is not None:
             out += [f"XBN − XBM (memory loss alone) at batch 16, paired: {d['mean']:+.3f} [{d['low']:+.3f}, "
                     f"{d['high']:+.3f}] over {d['seeds']} seeds.", ""]
+            untrained = d["untrained"]
+            if untrained:
+                out += [f"Not evidence yet: {', '.join(untrained)} never beat the warm-up's checkpoint.", ""]
             found.append({"what": f"{dataset}, batch 16: XBN - XBM (memory loss alone), interval above 0",
-                          "at_least": 0, "value": f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]",
-                          "verdict": _judged(d, d["low"] > 0), "section": "15", "file": grid["_file"]})
+                          "at_least": 0, "value": f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+                          + (f"; {', '.join(untrained)} did not train" if untrained else ""),
+                          "verdict": "inconclusive" if untrained else _judged(d, d["low"] > 0), "section": "15",
+                          "file": grid["_file"]})
         if (promise := best_small_over_large_none(grid, paired_difference)) is not None:
             arm, d = promise
             out += [f"The seed's promise on {dataset}: the best memory arm at batch 16 (`{arm}`, by its mean) − "

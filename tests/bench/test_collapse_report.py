@@ -51,3 +51,14 @@ def test_fewer_than_three_paired_seeds_are_shown_and_judged_inconclusive():
     _, found = collapse_study.render([], [grid], report._header, report.paired_difference)
     judged = [t for t in found if "warm-up" not in t["what"]]
     assert judged and {t["verdict"] for t in judged} == {"inconclusive"}
+
+
+def test_an_ordering_with_an_arm_that_did_not_train_is_not_evidence():
+    grid = _grid("grid_fix", {"none": [0.50, 0.49, 0.51], "xbn_c": [0.70, 0.71, 0.72], "xbm_c": [0.40, 0.41, 0.42]})
+    for run in grid["runs"]:
+        if run["method"] == "xbm_c" and run["seed"] == 1:
+            run["best_epoch"] = 1  # the warm-up's checkpoint: the arm never improved on it
+    text, found = collapse_study.render([], [grid], report._header, report.paired_difference)
+    ordering = next(t for t in found if "XBN - XBM" in t["what"])
+    assert ordering["verdict"] == "inconclusive" and "xbm_c s1 did not train" in ordering["value"]
+    assert "Not evidence yet: xbm_c s1 never beat the warm-up's checkpoint." in text
