@@ -176,6 +176,4 @@ def repair(params: Params, steps: RepairSteps = RepairSteps()) -> list[Repaired]
     return repaired
 
 
-
-
 __all__ = ["ORDER", "RepairSteps", "Repaired", "repair", "transient"]
