@@ -14,7 +14,7 @@ from xbn.serving.index import CatalogueIndex
 
 
 def main(out: str, tag: str, rows: int) -> None:
-    rng = np.random.default_rng(abs(hash(tag)) % 2**32)
+    rng = np.random.default_rng(list(tag.encode()))  # per tag, the same in every process
     ids = pd.DataFrame({"path": [f"{tag}/{i}.png" for i in range(rows)], "label": [str(i % 7) for i in range(rows)]})
     CatalogueIndex.build(rng.standard_normal((rows, 16)).astype(np.float32), ids, IndexConfig(),
                          model_sha256=tag).save(out)

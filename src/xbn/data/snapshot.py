@@ -139,14 +139,6 @@ def snapshot(params: Params, push: bool = True) -> DataSnapshot:
 DVC_MD5 = re.compile(r"[0-9a-f]{32}(\.dir)?")
 
 
-def _utf8(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:  # a lone surrogate: no file name on this machine, and no `.dvc` file can hold it
-        return False
-    return True
-
-
 def checked_output(record: Any) -> dict[str, Any]:
     """The one output of a `.dvc` record read back from a run, as DVC would have written it, or DatasetError
     naming the field. The record is untrusted input: anyone who may log to the run can rewrite it, and its
@@ -160,7 +152,7 @@ def checked_output(record: Any) -> dict[str, Any]:
         raise DatasetError(f"the data record's md5 {md5!r} is not one DVC writes (32 hex digits, optionally "
                            "'.dir'): refusing to restore it")
     if (not isinstance(path, str) or path in ("", ".", "..") or "/" in path or "\\" in path
-            or not path.isprintable() or not _utf8(path)):
+            or not path.isprintable()):  # a lone surrogate is not printable: no file can be named so
         raise DatasetError(f"the data record's path {path!r} is not a folder name (printable UTF-8, no "
                            "separators, not '.' or '..'): refusing to restore it")
     for key in ("size", "nfiles"):

@@ -165,7 +165,6 @@ def _build_sharded_in(shards: Sequence[str | Path], directory: Path, cfg: IndexC
         files.append(REFINE_FILE)
         params.update(refine=cfg.refine, k_factor=1)
         phase("refine_store")
-    directory.mkdir(parents=True, exist_ok=True)
     for name in files:
         (work / name).replace(directory / name)
     ids = _id_map(pd.concat(frames, ignore_index=True), 0)

@@ -66,8 +66,8 @@ def cross_batch_memory(loss: nn.Module, embedding_size: int, memory_size: int, m
         loss = loss_fn(embeddings, labels)  # as PML's: the batch is enqueued, then compared with the memory
 
     xbn's pipeline also adds the loss on the batch alone (`memory.add_batch_loss`): alone, the memory loss lost to
-    no memory in xbn's measurements (docs/method.md, "When the memory helps"). Do the same in your loop:
-    `loss_fn(e, y) + inner_loss(e, y)`."""
+    no memory in most of xbn's measurements (docs/method.md, "When the memory helps, and when it does not"). Do
+    the same in your loop: `loss_fn(e, y) + inner_loss(e, y)`."""
     try:
         config = MemoryConfig.model_validate({**memory, "method": method})
     except ValueError as exc:
