@@ -266,6 +266,13 @@ def test_a_remote_parquet_catalogue_goes_live_on_disk_and_serving_follows_it(tmp
     assert CatalogueIndex.load(tmp_path / "catalogue/index").meta["catalogue"]["rows"] == len(images)
     assert len(list((tmp_path / "catalogue/indexes").iterdir())) == 1  # the previous index folder is gone
 
+    # Issue 54 item 6: an index built earlier is re-used only if its files are the ones its index.json lists.
+    victim = next(p for p in Path(index["path"]).iterdir() if p.name != "index.json")
+    victim.unlink()  # a new file, not the served one rewritten: the holder has it memory-mapped
+    victim.write_bytes(b"not the index")
+    assert run(1e-9)["path"] == index["path"]
+    assert CatalogueIndex.load(tmp_path / "catalogue/index").count == len(images)  # every file verified
+
 
 def test_the_command_fails_in_one_line_before_prefect_starts(tmp_path, monkeypatch, capsys):
     """No catalogue configured, no registry, no champion: exit 2 or 1 naming the cause, no flow run."""

@@ -197,6 +197,7 @@ def test_a_registered_version_serves_its_own_checked_graph(tmp_path, monkeypatch
     from xbn.tracking import PARENT_RUN_ENV, Registry
     from xbn.tracking.registry import ONNX_SHA_TAG
     from xbn.utils.errors import IntegrityError
+    from xbn.utils.faults import FaultInjected
 
     monkeypatch.chdir(tmp_path)
     for var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID",
@@ -215,6 +216,18 @@ def test_a_registered_version_serves_its_own_checked_graph(tmp_path, monkeypatch
     fetched = registry.fetch_onnx(info, tmp_path / "fetched")
     assert fetched.read_bytes() == Path("models/model.onnx").read_bytes()
     assert info.tags[ONNX_SHA_TAG] == hashlib.sha256(fetched.read_bytes()).hexdigest()
+
+    # Issue 54 item 6: a new graph's upload stopped before its tag moved leaves the tagged graph served, intact
+    # (graphs are kept by digest; uploaded in place, the new bytes replaced the tagged ones for good).
+    other = tmp_path / "other" / "model.onnx"
+    other.parent.mkdir()
+    other.write_bytes(fetched.read_bytes() + b"\0")
+    monkeypatch.setenv("XBN_FAULT", "registry.onnx_before_tags:raise")
+    with pytest.raises(FaultInjected):
+        registry.log_onnx(info, other)
+    monkeypatch.delenv("XBN_FAULT")
+    info = registry.get(version)
+    assert registry.fetch_onnx(info, tmp_path / "after-fault").read_bytes() == fetched.read_bytes()
 
     source = RegistryModelSource(registry, registry.fetch_index, tmp_path / "serve-cache", pinned=version,
                                  inference={"engine": "onnxruntime"})

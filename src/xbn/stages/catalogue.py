@@ -213,6 +213,10 @@ def publish(params: Params, catalogue: CataloguePlan) -> dict[str, Any]:
         raise RuntimeError(f"{len(missing)} shard(s) not embedded, e.g. {missing[0]}: the index is not built")
     output = Path(catalogue.output)
     final = output / "indexes" / f"{catalogue.fingerprint[:16]}-{catalogue.model_sha256[:16]}"
+    if (final / META_FILE).exists() and (problem := _folder_problem(final)):
+        log.warning("catalogue: the index built earlier in %s is not re-used: %s; building it again", final,
+                    problem)
+        shutil.rmtree(final)
     if not (final / META_FILE).exists():  # renamed in whole: a folder there is complete
         counts = [pq.ParquetFile(s).metadata.num_rows for s in shards]
         if not sum(counts):  # an index of nothing cannot serve; faiss would fail further down with less to say
@@ -248,6 +252,20 @@ def publish(params: Params, catalogue: CataloguePlan) -> dict[str, Any]:
     return {"type": meta["type"], "ondisk": bool(meta.get("ondisk")), "count": int(meta["count"]),
             f"recall@{RECALL_K}": recall, "skipped": len(meta.get("skipped", [])), "path": str(final),
             "index_sha256": digest}
+
+
+def _folder_problem(folder: Path) -> str | None:
+    """Why the index in `folder` must not be re-used (None: every file its index.json lists has the sha256 it
+    records): renamed into place whole, but anything on this disk may have changed it since."""
+    from xbn.serving.index import META_FILE
+    from xbn.utils.integrity import verify_listed
+
+    try:
+        digests = json.loads((folder / META_FILE).read_text())["sha256"]
+        verify_listed(folder, digests, str(folder / META_FILE))
+    except (OSError, ValueError, KeyError, TypeError, IntegrityError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _build(params: Params, shards: list[Path], work: Path, sha: str, vector_bytes: int) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from xbn.tracking.locks import DEFAULT_TIMEOUT_S, registry_lock
 from xbn.tracking.pyfunc import CHECKPOINT_ARTIFACT
 from xbn.tracking.runs import DATA_ARTIFACTS, PipelineRun, configure, metric_key, metric_name
 from xbn.utils.errors import IntegrityError
+from xbn.utils.faults import fault_point
 from xbn.utils.integrity import verify_file, verify_listed, write_sidecar
 from xbn.utils.locks import Held
 from xbn.utils.secrets import mask_secrets
@@ -76,8 +77,9 @@ SERVED_TAG = "served_embedding"  # plain | refined (seed 001's context refiner o
 PARENT_TAG = "parent_version"  # the version a fine-tuned model started from (train.init: champion)
 SHA_TAG = "model_sha256"  # the checkpoint's sha256, recorded in the tracking store with the version
 # What serves the version, logged on its logged model after registration (stage `index`, `xbn export`): the
-# catalogue index folder under `index/` and the ONNX file under `onnx/`. Their sha256 go to version tags, kept in
-# the tracking store like SHA_TAG, so a download is checked against a record the artifact store cannot alter.
+# catalogue index folder under `index/<sha256>/` and the ONNX file under `onnx/<sha256>/`. Their sha256 go to
+# version tags, kept in the tracking store like SHA_TAG, so a download is checked against a record the artifact
+# store cannot alter; content-addressed, so an upload killed before its tag moved leaves the tagged files intact.
 INDEX_ARTIFACT, ONNX_ARTIFACT = "index", "onnx"
 INDEX_SHA_TAG = "index_sha256"  # of the folder's index.json, which names the sha256 of the other files
 INDEX_META = "index.json"
@@ -372,25 +374,32 @@ class Registry:
     def log_onnx(self, version: ModelVersionInfo, path: str | Path, *companions: str | Path,
                  mlflow_model: str | Path | None = None) -> None:
         """Attach the ONNX export of `version`'s embedder and its `companions` (the preprocessing rule) under
-        `onnx/`, the ONNX file's sha256 as a version tag (the rule records it too); and `mlflow_model`, the same
-        graph as an MLflow `onnx` model folder, in the version's run, its URI as the tag `onnx_model_uri`."""
+        `onnx/<sha256>/`, the ONNX file's sha256 as a version tag (the rule records it too); and `mlflow_model`,
+        the same graph as an MLflow `onnx` model folder, in the version's run under `onnx_model/<sha256>`, its URI
+        as the tag `onnx_model_uri`. The tags move last: until then the version serves its earlier graph."""
+        digest = file_digest(path)
         for file in (*companions, path):
-            self.client.log_model_artifact(self._logged_model(version), str(file), ONNX_ARTIFACT)
-        tags = {ONNX_SHA_TAG: file_digest(path)}
+            self.client.log_model_artifact(self._logged_model(version), str(file), f"{ONNX_ARTIFACT}/{digest}")
+        tags = {ONNX_SHA_TAG: digest}
         if mlflow_model is not None and version.run_id:
-            self.client.log_artifacts(version.run_id, str(mlflow_model), ONNX_MODEL_ARTIFACT)
-            tags[ONNX_MODEL_TAG] = f"runs:/{version.run_id}/{ONNX_MODEL_ARTIFACT}"
+            self.client.log_artifacts(version.run_id, str(mlflow_model), f"{ONNX_MODEL_ARTIFACT}/{digest}")
+            tags[ONNX_MODEL_TAG] = f"runs:/{version.run_id}/{ONNX_MODEL_ARTIFACT}/{digest}"
+        fault_point("registry.onnx_before_tags")
         self.set_tags(version.version, tags)
 
     def fetch_onnx(self, version: ModelVersionInfo, dst_dir: str | Path) -> Path | None:
-        """Download `version`'s ONNX graph (`log_onnx`, under `onnx/`) into `dst_dir` and verify it against the
-        version's `onnx_sha256` tag, as `checkpoint` verifies the checkpoint; None when the version has none
-        (never exported). What `inference.engine` runs a registered version's ONNX Runtime on."""
+        """Download `version`'s ONNX graph (`log_onnx`, under `onnx/<sha256>/`) into `dst_dir` and verify it
+        against the version's `onnx_sha256` tag, as `checkpoint` verifies the checkpoint; None when the version
+        has none (never exported). What `inference.engine` runs a registered version's ONNX Runtime on."""
         expected = version.tags.get(ONNX_SHA_TAG)
         if not expected:
             return None
-        listed = self.client.list_logged_model_artifacts(self._logged_model(version), ONNX_ARTIFACT)
-        graphs = [f.path for f in listed if f.path.endswith(".onnx")]
+        model = self._logged_model(version)
+        graphs = [f.path for f in self.client.list_logged_model_artifacts(model, f"{ONNX_ARTIFACT}/{expected}")
+                  if f.path.endswith(".onnx")]
+        if not graphs:  # exported before graphs were kept by digest: the one file directly under onnx/
+            graphs = [f.path for f in self.client.list_logged_model_artifacts(model, ONNX_ARTIFACT)
+                      if f.path.endswith(".onnx")]
         if len(graphs) != 1:
             raise IntegrityError(f"{self.name} v{version.version} records {ONNX_SHA_TAG} but has "
                                  f"{len(graphs)} .onnx files under {ONNX_ARTIFACT}/")
