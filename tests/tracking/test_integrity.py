@@ -93,6 +93,31 @@ def test_a_registry_load_trusts_the_version_tag_not_the_artifacts_own_record(par
         registry.checkpoint(registry.get(report["version"]), tmp_path / "download")
 
 
+def test_an_altered_image_size_in_the_mlmodel_is_refused_as_a_served_version_is_loaded(params, tmp_path):
+    # Issue 54 item 10: the MLmodel's fields are in the artifact store and hashed nowhere; the image size a
+    # server preprocesses at must be the one the (verified) checkpoint was trained at.
+    from xbn.models import build_embedder, save_embedder
+    from xbn.tracking import pipeline_run
+
+    embedder, data_config = build_embedder(params.model)  # as the trainer saves it: with its params
+    save_embedder(Path(params.train.checkpoint_dir) / "model.pt", embedder, params.model, data_config,
+                  {"epoch": 1, "params": params.model_dump(mode="json")})
+    write_eval(params)
+    with pipeline_run(params, "train", new=True):
+        pass
+    registry = Registry(params)
+    info = registry.get(register(params)["version"])
+    assert registry.checkpoint(info, tmp_path / "before").image_size == params.data.image_size
+    [stored] = _stored_checkpoints(tmp_path)
+    mlmodel = stored.parents[1] / "MLmodel"
+    text = mlmodel.read_text()
+    assert f"image_size: {params.data.image_size}\n" in text
+    mlmodel.write_text(text.replace(f"image_size: {params.data.image_size}\n", "image_size: 224\n"))
+    with pytest.raises(IntegrityError, match=f"MLmodel gives image_size 224, but its verified checkpoint was "
+                                             f"trained at {params.data.image_size}"):
+        registry.checkpoint(info, tmp_path / "after")  # what serving, promote, rollback and repair load
+
+
 def test_a_flipped_byte_in_model_pt_is_refused_by_evaluate_and_register_naming_the_file(params, capsys, caplog):
     write_model(params, seed=0)
     model = Path("models/model.pt")

@@ -92,6 +92,15 @@ ONNX_SHA_TAG = "onnx_sha256"
 ONNX_MODEL_ARTIFACT, ONNX_MODEL_TAG = "onnx_model", "onnx_model_uri"
 
 
+def _trained_image_size(checkpoint: Path) -> int | None:
+    """The image size in the params a checkpoint records (None: written before xbn recorded them)."""
+    import torch
+
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
+    size = ((saved.get("params") or {}).get("data") or {}).get("image_size")
+    return int(size) if size else None
+
+
 @dataclass(frozen=True)
 class RegisteredCheckpoint:
     """A registered version's embedder checkpoint on local disk (sha256 verified) and the image size the
@@ -283,7 +292,13 @@ class Registry:
             artifact_uri=f"{uri}/{relative}", dst_path=str(dst_dir), tracking_uri=self.uri))
         verify_file(path, expected, what=f"the checkpoint of {self.name} v{version.version}")
         write_sidecar(path)  # the verified bytes: every later load of this copy (`load_embedder`) checks them
-        size = (info.metadata or {}).get("image_size")
+        logged = (info.metadata or {}).get("image_size")  # the MLmodel's: the artifact store, not hashed
+        trained = _trained_image_size(path)  # the verified checkpoint's own params
+        if logged and trained and str(logged) != str(trained):
+            raise IntegrityError(f"{self.name} v{version.version}: its MLmodel gives image_size {logged}, but "
+                                 f"its verified checkpoint was trained at {trained}: the MLmodel was altered "
+                                 "after registration")
+        size = trained or logged
         return RegisteredCheckpoint(path, int(size) if size else None)
 
     def log_index(self, version: ModelVersionInfo, directory: str | Path, recall: float,
