@@ -182,6 +182,18 @@ def test_a_snapshot_the_remote_lacks_is_a_one_line_error(project, tmp_path):
     assert not list(project.glob(".xbn-restore*"))
 
 
+def test_an_image_altered_in_the_remote_is_refused_and_nothing_is_restored(project, tiny_params, tmp_path):
+    # Issue 54 item 10: what the remote sends back is hashed as DVC hashes a folder and compared with the record.
+    params = prepared(tiny_params)
+    record = snapshot(params).dvc_record()
+    shutil.rmtree(project / ".dvc" / "cache")
+    image = next(p for p in (tmp_path / "remote").rglob("*") if p.is_file() and not p.name.endswith(".dir"))
+    image.write_bytes(image.read_bytes() + b"\0")
+    with pytest.raises(DatasetError, match=f"hash to [0-9a-f]{{32}}\\.dir, not {record['outs'][0]['md5']}"):
+        restore(record, tmp_path / "restored")
+    assert not (tmp_path / "restored").exists() and not list(tmp_path.glob(".restored.restoring-*"))
+
+
 def test_dvc_files_a_kill_cut_short_are_repaired_and_the_snapshot_goes_on(project, tiny_params):
     # Issue 40 item 7: DVC rewrites its files in place. A truncated record failed every later snapshot ("unexpected
     # error - 'path'"), and an rwlock entry whose PID now belongs to a live process blocked it forever.

@@ -18,6 +18,7 @@ What a run records (the stage writes it, the tracking layer logs it, the registr
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -199,6 +200,12 @@ def restore(record: Mapping[str, Any], destination: str | Path) -> int:
                                        f"{repo.root_dir} ({type(exc).__name__}): was it pushed to this "
                                        "project's remote?") from None
                 count = sum(len(files) for *_, files in os.walk(staging / "data"))
+                # DVC does not hash what a remote sends back (its `verify` is off by default): anyone who can
+                # write the remote could swap an image. The folder's digest, as DVC computes it, must be the record's.
+                if out.get("hash") == "md5" and (found := folder_md5(staging / "data")) != out["md5"]:
+                    raise DatasetError(f"the files the DVC remote sent back for snapshot {out['path']} hash to "
+                                       f"{found}, not {out['md5']}: the remote (or this project's cache) holds "
+                                       "altered data; nothing was restored")
                 try:
                     if destination.exists():
                         destination.rmdir()  # empty, checked above
@@ -211,6 +218,21 @@ def restore(record: Mapping[str, Any], destination: str | Path) -> int:
         finally:
             shutil.rmtree(holder, ignore_errors=True)
     return count
+
+
+def folder_md5(folder: Path) -> str:
+    """DVC's md5 of a folder (`<md5>.dir`: the md5 of its sorted listing of files and their md5), computed with
+    dvc_data's own Tree from the bytes on disk."""
+    from dvc_data.hashfile.hash_info import HashInfo
+    from dvc_data.hashfile.tree import Tree
+
+    tree = Tree()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        with path.open("rb") as file:
+            tree.add(path.relative_to(folder).parts, None, HashInfo("md5", hashlib.file_digest(file, "md5").hexdigest()))
+    tree.digest()
+    assert tree.hash_info is not None and tree.hash_info.value is not None
+    return tree.hash_info.value
 
 
 @contextlib.contextmanager
