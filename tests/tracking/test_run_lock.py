@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -15,6 +16,7 @@ from infra.support import PG_HOST, PG_PORT, PG_USER, require_postgres
 
 from xbn.cli import main
 from xbn.tracking import Registry
+from xbn.utils.integrity import verify_sidecar
 from xbn.utils.locks import LockLost
 
 from .helpers import run_pipeline, write_eval, write_model
@@ -120,6 +122,39 @@ def test_a_run_lock_held_by_another_run_meanwhile_is_lost_for_good(params, regis
         with pytest.raises(LockLost, match="another process held it meanwhile"):
             registry.set_tags(1, {"note": "unguarded"})
     assert "note" not in registry.get(1).tags
+
+
+def test_a_run_whose_lock_another_run_held_meanwhile_overwrites_no_model_and_no_index(params, registry,
+                                                                                         tmp_path):
+    """Issue 54 items 8 and 9 (fencing): after a restart, another run took the lock and may be writing models/
+    and the index folder; the first run, still training, stops at its next checkpoint or index write, before
+    either becomes visible."""
+    import numpy as np
+    import pandas as pd
+
+    from xbn.config import IndexConfig
+    from xbn.serving.index import CatalogueIndex
+    from xbn.tracking import file_digest
+    from xbn.tracking.locks import run_lock
+    from xbn.utils.locks import advisory_lock
+
+    model = Path(params.train.checkpoint_dir) / "model.pt"
+    before = file_digest(model)
+    index = CatalogueIndex.build(np.eye(4, 8, dtype=np.float32), pd.DataFrame({"path": list("abcd")}),
+                                 IndexConfig(), model_sha256=before)
+    with run_lock(params.tracking.uri, registry.name, "first", 0, PG) as held:
+        index.save(tmp_path / "served" / "index")  # the lock held: written
+        _terminate(held)
+        with advisory_lock(PG, f"xbn-run:{registry.name}", 0):  # another run, in between
+            pass
+        with pytest.raises(LockLost, match="another process held it meanwhile"):
+            write_model(params, seed=7)
+        with pytest.raises(LockLost):
+            CatalogueIndex.build(np.eye(4, 8, dtype=np.float32)[::-1].copy(), pd.DataFrame({"path": list("wxyz")}),
+                                 IndexConfig(), model_sha256=before).save(tmp_path / "served" / "index")
+    assert file_digest(model) == before and verify_sidecar(model) == before  # the model and its sidecar intact
+    assert sorted(CatalogueIndex.load(tmp_path / "served" / "index").ids["path"]) == list("abcd")
+    assert [p.name for p in (tmp_path / "served").iterdir()] == ["index"]  # nothing half-written beside it
 
 
 def test_a_tracking_server_without_a_shared_lock_is_refused_and_the_environment_names_the_lock(monkeypatch):

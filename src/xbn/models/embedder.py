@@ -20,6 +20,7 @@ from xbn.config import ConfigError, ModelConfig
 from xbn.models.backbone import create_backbone, load_state_dict_strict
 from xbn.utils.integrity import remove_sidecar, verify_sidecar, write_sidecar
 from xbn.utils.io import save_torch
+from xbn.utils.locks import fence
 
 CHECKPOINT_FORMAT = "xbn-embedder/1"
 _BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -99,6 +100,7 @@ def save_embedder(
         raise ValueError(f"extra keys {clash} would overwrite the checkpoint's own entries")
     checkpoint.update(extra)
     _check_plain(checkpoint, "checkpoint")
+    fence()  # before the old file's sidecar goes: a run that lost its lock leaves another run's model whole
     remove_sidecar(path)
     save_torch(path, checkpoint)
     write_sidecar(path)

@@ -33,7 +33,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from xbn.config.errors import ConfigError
-from xbn.utils.locks import Held, LockTimeout, RunBusy, advisory_key, advisory_lock, file_lock
+from xbn.utils.locks import HELD_RUN_LOCKS, Held, LockTimeout, RunBusy, advisory_key, advisory_lock, file_lock
 from xbn.utils.secrets import mask_secrets
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class RegistryLockTimeout(LockTimeout):
 
 
 LOCK_URI_ENV = "XBN_LOCK_URI"
-_HELD_RUNS: dict[str, Held] = {}  # run locks this process holds, by label: a nested acquisition is a no-op
+_HELD_RUNS = HELD_RUN_LOCKS  # run locks this process holds, by label: a nested acquisition is a no-op
 
 
 def lock_key(name: str) -> int:

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from xbn.utils.locks import fence
+
 _HOST = socket.gethostname()
 _LIVE: set[Path] = set()  # temp files this process is writing now (any thread)
 _LIVE_LOCK = threading.Lock()
@@ -76,6 +78,7 @@ def atomic_folder(path: str | Path) -> Iterator[Path]:
     building.mkdir()
     try:
         yield building
+        fence()  # a run that lost its lock does not replace another run's folder
         while True:
             old = path.with_name(f".{path.name}.{tag}.old")
             with contextlib.suppress(FileNotFoundError):
@@ -161,6 +164,7 @@ def save_torch(path: str | Path, obj: Any) -> None:
 
     with atomic_path(path) as tmp:
         torch.save(obj, tmp)
+        fence()  # a run that lost its lock does not replace another run's checkpoint
 
 
 def file_digest(path: str | Path, algorithm: str = "sha256") -> str:

@@ -97,6 +97,18 @@ class Held:
                     "meanwhile (epoch %s)", self.label, why, epoch)
 
 
+# The run locks this process holds, by label (`xbn.tracking.locks.run_lock` fills it): what `fence` checks.
+HELD_RUN_LOCKS: dict[str, Held] = {}
+
+
+def fence() -> None:
+    """Raise `LockLost` if a run lock this process holds was lost: called right before a write to the shared
+    local outputs (models/, an index folder) becomes visible, so that a run whose lock another run took after a
+    database restart stops before it overwrites that run's files. Holding no run lock: nothing to check."""
+    for held in tuple(HELD_RUN_LOCKS.values()):
+        held.check()
+
+
 REGAIN_WAIT_S = 60.0  # how long a lost advisory lock waits for its database to come back before it gives up
 _EPOCHS = "xbn_lock_epochs"
 
