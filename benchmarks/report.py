@@ -619,6 +619,10 @@ def promise_section(data: dict[str, Any]) -> str:
         out.append(f"- {method} minus none, test R@1 paired over {d['seeds']} seeds: {_interval(d)} (95% interval, "
                    f"which {counts}). Target (difference >= +{PROMISE_MARGIN}, met when the whole interval is): "
                    f"{_verdict(verdict(d['low'], d['high'], at_least=PROMISE_MARGIN))}.")
+        if (m := paired_difference(data["runs"], "default", batch, method, "none", key="map@r")) is not None:
+            counts = "excludes 0" if m["low"] > 0 or m["high"] < 0 else "contains 0"
+            out.append(f"- {method} minus none, test MAP@R paired over {m['seeds']} seeds: {_interval(m)} (95% "
+                       f"interval, which {counts}; shown beside the target, which is on R@1).")
     return "\n".join(out + [""])
 
 
