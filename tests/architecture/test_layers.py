@@ -39,11 +39,18 @@ def module_name(path: Path) -> str:
 
 
 @cache
-def imports_of(path: Path) -> frozenset[str]:
-    """The xbn modules `path` imports (a `from xbn.x import name` counts `xbn.x.name` when that is a module)."""
+def imports_of(path: Path, typing_only: bool = True) -> frozenset[str]:
+    """The xbn modules `path` imports (a `from xbn.x import name` counts `xbn.x.name` when that is a module);
+    `typing_only=False` leaves out those under `if TYPE_CHECKING:`, which never run."""
     found: set[str] = set()
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skipped = set() if typing_only else {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                                         and "TYPE_CHECKING" in ast.unparse(block.test)
+                                         for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "xbn")
         elif isinstance(node, ast.ImportFrom):
@@ -52,8 +59,10 @@ def imports_of(path: Path) -> frozenset[str]:
                 base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
             if base.split(".")[0] != "xbn":
                 continue
-            found.add(base)
-            found.update(f"{base}.{a.name}" for a in node.names if module_file(f"{base}.{a.name}"))
+            submodules = {f"{base}.{a.name}" for a in node.names if module_file(f"{base}.{a.name}")}
+            found.update(submodules)
+            if len(submodules) < len(node.names):  # a name defined by `base` itself, not only its submodules
+                found.add(base)
     return frozenset(m for m in found if module_file(m))
 
 
@@ -124,3 +133,33 @@ def test_the_checks_see_a_missing_dep(tmp_path):
     files = {str(p.relative_to(SRC)) for p in closure("xbn.stages.train")}
     assert {"xbn/training/criterion.py", "xbn/memory/moments.py", "xbn/config/schema.py",
             "xbn/utils/distributed.py"} <= files
+
+
+def test_no_import_circles():
+    """No module can reach itself through the imports it runs (those inside functions included): a circle is held
+    open only by the order things happen to be imported in. Tarjan's strongly connected components."""
+    graph = {module_name(p): imports_of(p, typing_only=False) for p in SOURCES}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in graph.get(node, ()):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = stack[stack.index(node):]
+            del stack[stack.index(node):]
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    assert not circles, f"import circles: {circles}"

@@ -21,15 +21,18 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from xbn.data.images import BACKGROUND
+from xbn.data.images import BACKGROUND, open_rgb
 from xbn.data.transforms import eval_resize_rule
 from xbn.evaluation.inference import FLOAT32
-from xbn.evaluation.served import ServedModel, open_image
 from xbn.utils.io import atomic_path, file_digest, write_json
+
+if TYPE_CHECKING:  # served imports the engine, which exports through this module: for annotations only
+    from xbn.evaluation.served import ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +192,7 @@ def check_parity(
     `ParityError` above `atol`."""
     if not image_paths:
         raise ValueError("parity needs at least one image")
-    images = [open_image(p) for p in image_paths]
+    images = [open_rgb(p) for p in image_paths]
     # torch in float32 (the graph is float32), whatever engine `model` itself runs
     expected = dataclasses.replace(model, mode=FLOAT32, engine=None).embed_images(images)
     got = onnx_embed(path, np.stack([model.pixels(image) for image in images]))

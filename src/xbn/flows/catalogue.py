@@ -31,7 +31,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.futures import as_completed
 
 from xbn.config import ConfigError, Params, load_params
-from xbn.flows.retrain import TASK_OPTIONS
+from xbn.flows.tasks import TASK_OPTIONS
 from xbn.stages.catalogue import CataloguePlan, Shard
 
 SCHEDULER_ENV = "DASK_SCHEDULER_ADDRESS"

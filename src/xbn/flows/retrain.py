@@ -32,31 +32,20 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypedDict
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NO_CACHE, CachePolicy
 from prefect.runtime import flow_run, task_run
 
 from xbn.config import ConfigError, Params, load_params
-from xbn.stages.loop import transient
+from xbn.flows.catalogue import catalogue as catalogue_flow
+from xbn.flows.tasks import TASK_OPTIONS
 from xbn.stages.names import load_checked
 from xbn.utils.allocator import fix_malloc_thresholds
 from xbn.utils.faults import fault_point
 
 DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00
-
-
-def _transient(task, task_run_, state) -> bool:
-    """Retry unless the failure is the data's, the config's or a model file's own fault (`transient`)."""
-    try:
-        state.result()
-    except Exception as exc:  # noqa: BLE001 - anything else may be transient (I/O, a service, a killed worker)
-        return transient(exc)
-    return False
 
 
 def _recorded(stage: str, params: Params, run):
@@ -73,19 +62,6 @@ def _recorded(stage: str, params: Params, run):
     write_record(params, stage, "done", None, None)
     return result
 
-
-class TaskDefaults(TypedDict):
-    """Every task's options, typed so that `@task(**TASK_OPTIONS)` matches the decorator's overloads (a plain
-    dict's values are `object` to a type checker)."""
-
-    retries: int
-    retry_delay_seconds: int
-    retry_condition_fn: Callable[..., bool]
-    cache_policy: CachePolicy
-
-
-TASK_OPTIONS = TaskDefaults(retries=2, retry_delay_seconds=10, retry_condition_fn=_transient,
-                            cache_policy=NO_CACHE)
 
 
 @task(**TASK_OPTIONS)
@@ -371,8 +347,6 @@ def _attach_index(params: Params, params_path: str, overrides: list[str], versio
     """Index registry version `version` from its own checkpoint (nothing is retrained), over the whole catalogue
     when the champion serves one (the catalogue flow), else over the dataset's gallery."""
     if params.catalogue.source and params.catalogue.on_promotion:
-        from xbn.flows.catalogue import catalogue as catalogue_flow
-
         catalogue_flow(params_path, overrides, version=version)
     else:
         index_champion(params, version)
@@ -395,8 +369,6 @@ def _train_to_registry(params: Params, tuned: dict, decision: dict, loaded_from:
     if promoted and params.catalogue.source and params.catalogue.on_promotion:
         # The new champion serves the whole catalogue, not the dataset's gallery: until the catalogue flow has
         # attached its index, serving keeps the previous champion (a version without an index is not loaded).
-        from xbn.flows.catalogue import catalogue as catalogue_flow
-
         assert registered is not None  # promoted: registered
         full_catalogue = catalogue_flow(*loaded_from, version=registered["version"])
         catalogue = {"version": registered["version"], **(full_catalogue["index"] or {})}  # None: up to date

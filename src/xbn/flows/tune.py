@@ -16,7 +16,7 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 
 from xbn.config import Params
-from xbn.flows.retrain import TASK_OPTIONS
+from xbn.flows.tasks import TASK_OPTIONS
 from xbn.stages.names import load_checked
 from xbn.utils.allocator import fix_malloc_thresholds
 

@@ -45,6 +45,7 @@ from mlflow.types import ColSpec, DataType, Schema
 from mlflow.types.schema import Array
 
 CHECKPOINT_ARTIFACT = "checkpoint"
+SHA_TAG = "model_sha256"  # the registered version's tag holding the checkpoint's sha256 (`xbn.tracking.registry`)
 # The checkpoint's sha256 at logging time, in the model's `model_config`: load_context refuses other bytes.
 CHECKPOINT_SHA256 = "checkpoint_sha256"
 # Logged as a "model from code" (MLflow's recommended form): this file defines the model by importing xbn.
@@ -208,8 +209,6 @@ def _registered_version(model_dir: Path) -> tuple[str, str, str] | None:
         return None
     import yaml
     from mlflow.tracking import MlflowClient
-
-    from xbn.tracking.registry import SHA_TAG
 
     found = yaml.safe_load(meta.read_text()) or {}
     name, version = str(found.get("model_name", "")), str(found.get("model_version", ""))

@@ -36,7 +36,7 @@ from xbn.config import Params
 from xbn.data.snapshot import DATA_FILES, DATA_RECORD
 from xbn.tracking.fingerprints import file_digest
 from xbn.tracking.locks import DEFAULT_TIMEOUT_S, registry_lock
-from xbn.tracking.pyfunc import CHECKPOINT_ARTIFACT
+from xbn.tracking.pyfunc import CHECKPOINT_ARTIFACT, SHA_TAG
 from xbn.tracking.runs import DATA_ARTIFACTS, PipelineRun, configure, metric_key, metric_name
 from xbn.utils.errors import IntegrityError
 from xbn.utils.faults import fault_point
@@ -75,7 +75,7 @@ class ModelVersionInfo:
 
 SERVED_TAG = "served_embedding"  # plain | refined (seed 001's context refiner on top of the embedder)
 PARENT_TAG = "parent_version"  # the version a fine-tuned model started from (train.init: champion)
-SHA_TAG = "model_sha256"  # the checkpoint's sha256, recorded in the tracking store with the version
+# SHA_TAG (from pyfunc, which checks it on load): the checkpoint's sha256, kept in the tracking store with the version
 # What serves the version, logged on its logged model after registration (stage `index`, `xbn export`): the
 # catalogue index folder under `index/<sha256>/` and the ONNX file under `onnx/<sha256>/`. Their sha256 go to
 # version tags, kept in the tracking store like SHA_TAG, so a download is checked against a record the artifact
