@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import sys
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from xbn.config import ConfigError, Params, load_params
 from xbn.stages.loop import ORDER as LOOP_ORDER
@@ -200,20 +200,19 @@ def _stage_index(params: Params, args) -> dict:
     return index(params, append=args.append, shards=args.shards)
 
 
-def _search(params: Params, args) -> str:
+def _search(params: Params, args) -> Report:
     from xbn.data import DatasetError
-    from xbn.serving.search import format_json, format_table
+    from xbn.serving.search import format_table
     from xbn.stages.serve import search
 
     results, loaded = search(params, args.images, args.k, version=args.model_version, local=args.local)
     about = f"{loaded.name} v{loaded.version}{f' ({loaded.alias})' if loaded.alias else ''}"
-    text = format_json(results) if args.json else f"{about}, index of {loaded.index.count}\n\n" + \
-        format_table(results)
+    report = Report(f"{about}, index of {loaded.index.count}\n\n" + format_table(results), results)
     failed = [r["query"] for r in results if "error" in r]
     if failed:  # every image that could be read has answered: print them, then fail naming the others
-        print(text)
+        _print_result(report, args)
         raise DatasetError(f"{len(failed)} of {len(results)} image(s) could not be read: {', '.join(failed)}")
-    return text
+    return report
 
 
 def _serve(params: Params, args) -> None:
@@ -324,7 +323,19 @@ class Report(NamedTuple):
     """A command's result that reads as `text` on a terminal and as `data` with `--json`."""
 
     text: str
-    data: dict
+    data: Any
+
+
+def _print_result(result: Report | dict, args) -> None:
+    """The one rule of every command: `--json` prints the result as JSON; otherwise it is printed as text (a
+    stage's dict: its JSON, also in the file the stage wrote) unless `-q`. Only rank 0 of a distributed run."""
+    if os.environ.get("RANK") not in (None, "0"):
+        return
+    text, data = result if isinstance(result, Report) else (None, result)
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+    elif not args.quiet:
+        print(text if text is not None else json.dumps(data, indent=2, default=str))
 
 
 def _summary(params: Params, args) -> Report:
@@ -380,12 +391,13 @@ def _common_options(defaults: bool = True) -> argparse.ArgumentParser:
     common.add_argument("--set", dest="overrides", action="append", default=default([]), metavar="KEY=VALUE",
                         help="override a param, e.g. --set memory.method=xbn (repeatable)")
     common.add_argument("-q", "--quiet", action="store_true", default=default(False),
-                        help="no progress bars, and the result goes only to its file, not to the console")
+                        help="no progress bars, and no result on the console unless --json asks for it (a "
+                             "stage's result is in the file it wrote; the exit code says how it went)")
     common.add_argument("-v", "--verbose", action="store_true", default=default(False),
                         help="every library's log lines too")
     common.add_argument("--json", action="store_true", default=default(False),
-                        help="print the result as JSON (the commands that print text: summary, run, retrain, "
-                             "search; the others print JSON anyway)")
+                        help="print the result as JSON, on every command (the stages' results are JSON "
+                             "anyway; summary, run, retrain and search print text without it), even with -q")
     return common
 
 
@@ -394,13 +406,39 @@ EXIT_CODES_HELP = ("exit codes: 0 done; 1 the run failed (a non-finite loss, ano
                    "or a file a stage needs is missing or invalid; 4 a service the run needs cannot be reached")
 
 
+# `xbn --help` lists the subcommands by what a person is doing (every subcommand in exactly one group).
+COMMAND_GROUPS = (
+    ("pipeline", ("init", "run", "train", "refine", "evaluate", "register", "tune", "retrain", "summary")),
+    ("data", ("generate", "prepare", "validate", "data")),
+    ("registry", ("registry",)),
+    ("serving", ("index", "catalogue", "search", "serve", "embed", "export")),
+)
+
+
+class _GroupedCommands(argparse.HelpFormatter):
+    """argparse lists subcommands in one flat list; this lists them under COMMAND_GROUPS' headings."""
+
+    def _format_action(self, action):
+        if not isinstance(action, argparse._SubParsersAction):
+            return super()._format_action(action)
+        by_name = {sub.dest: sub for sub in action._get_subactions()}
+        parts = []
+        for group, names in COMMAND_GROUPS:
+            parts.append(f"{' ' * self._current_indent}{group}:\n")
+            self._indent()
+            parts += [self._format_action(by_name[name]) for name in names]
+            self._dedent()
+        return "".join(parts)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common, after_action = _common_options(), _common_options(defaults=False)
-    parser = argparse.ArgumentParser(prog="xbn", description=__doc__, epilog=EXIT_CODES_HELP)
+    parser = argparse.ArgumentParser(prog="xbn", description=__doc__, epilog=EXIT_CODES_HELP,
+                                     formatter_class=_GroupedCommands)
     from xbn import __version__
 
     parser.add_argument("--version", action="version", version=f"xbn {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     from xbn.config import DATASETS
 
     init = sub.add_parser("init", help="write a params.yaml for a dataset into the current folder (then: xbn run)")
@@ -635,12 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     if result is None:  # a command that ran until stopped (serve)
         return 0
     try:
-        if isinstance(result, Report):
-            print(json.dumps(result.data, indent=2, default=str) if args.json else result.text)
-        elif isinstance(result, str):
-            print(result)
-        elif not args.quiet and rank in (None, "0"):  # -q: the result is in the file the stage wrote
-            print(json.dumps(result, indent=2, default=str))
+        _print_result(result, args)
         sys.stdout.flush()
     except BrokenPipeError:  # `xbn summary | head -3`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush

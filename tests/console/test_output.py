@@ -3,6 +3,7 @@ summary generated from the files the stages wrote."""
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,8 @@ def test_quiet_keeps_the_result_in_its_file_not_on_the_console(tmp_path, monkeyp
     out = capsys.readouterr()
     assert out.out == "" and "4 glyph classes x 2 images, 16 px -> data/glyphs" in out.err
     assert main(["generate", *tiny]) == 0
+    assert json.loads(capsys.readouterr().out)["classes"] == 4
+    assert main(["generate", "-q", "--json", *tiny]) == 0  # --json asks for it: printed, -q or not
     assert json.loads(capsys.readouterr().out)["classes"] == 4
 
 
@@ -156,3 +159,22 @@ def test_json_prints_the_structured_result_of_a_command_that_prints_text(tiny_pa
     assert main(["summary", *args, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["summary"]
     assert [r["what"] for r in rows][:1] == ["data"] and all(r["value"] in text for r in rows)
+    # Issue 55 item 5: -q and --json mean what they mean for every other command.
+    assert main(["summary", *args, "-q"]) == 0 and capsys.readouterr().out == ""
+    assert main(["summary", *args, "-q", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["summary"] == rows
+
+
+def test_the_help_lists_every_command_once_under_its_group_and_says_the_exit_codes(capsys):
+    from xbn.cli import COMMAND_GROUPS, build_parser, main
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    grouped = [name for _, names in COMMAND_GROUPS for name in names]
+    assert sorted(grouped) == sorted(commands)  # none missing from the help, none listed twice
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    headings = [line.strip() for line in text.splitlines() if re.fullmatch(r"  [a-z]+:", line)]
+    assert headings == [f"{group}:" for group, _ in COMMAND_GROUPS]
+    assert all(f"    {name}" in text for name in grouped) and "exit codes: 0 done" in text
