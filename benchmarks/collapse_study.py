@@ -85,6 +85,33 @@ def mechanism_rows(data: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def figure_rows(data: dict[str, Any]) -> list[list[str]]:
+    """Per memory arm and batch, over the second half of training (mean over its seeds): what the memory path
+    mined, where the batch sat against the memory, and the validation R@1 at the warm-up and at the end."""
+    rows = []
+    arms = dict.fromkeys((r["batch"], r["method"]) for r in data["runs"] if r["method"] != "none")
+    for batch, method in sorted(arms, key=lambda a: a[0]):
+        halves, curves = [], []
+        for run in data["runs"]:
+            if (run["batch"], run["method"]) == (batch, method) and (series := _series(run)):
+                halves.append(series[len(series) // 2:])
+                curves.append(run.get("val_curve") or [])
+        if not halves:
+            continue
+
+        def mean(key: str) -> float:
+            return statistics.mean(statistics.mean(r[key] for r in half if r.get(key) is not None)
+                                   for half in halves)
+
+        starved = statistics.mean(sum(r["memory_negatives"] < 1 for r in half) / len(half) for half in halves)
+        val = (f"{statistics.mean(c[1] for c in curves):.3f} → {statistics.mean(c[-1] for c in curves):.3f}"
+               if all(len(c) > 1 for c in curves) else "")
+        rows.append([f"`{method}`", str(batch), str(len(halves)), f"{mean('memory_negatives'):,.1f}",
+                     f"{mean('memory_positives'):,.1f}", f"{starved:.2f}", f"{mean('batch_memory_cosine'):.3f}",
+                     f"{mean('batch_cosine'):.3f}", val])
+    return rows
+
+
 def grid_rows(data: dict[str, Any], batch: int, paired) -> tuple[list[list[str]], dict[str, Any]]:
     dataset = data["runs"][0]["dataset"]
     methods = list(dict.fromkeys(r["method"] for r in data["runs"] if r["batch"] == batch))
@@ -208,6 +235,13 @@ def render(mechanism: list[dict[str, Any]], grids: list[dict[str, Any]], header,
                     "checkpoint, and how many collapsed.", "",
                     _table(["arm", "seeds", "test R@1", "− none", "best epochs", "at warm-up", "collapsed"], rows),
                     ""]
+        if figures := figure_rows(grid):
+            out += ["The memory path over the second half of training, mean over seeds: pairs mined against the "
+                    "memory per logged step (negatives, positives); the share of steps that mined less than one "
+                    "negative; the cosine between the batch's mean and the memory's; the batch's mean pairwise "
+                    "cosine; validation R@1 at the warm-up's end → the last epoch.", "",
+                    _table(["arm", "batch", "seeds", "memory negatives", "memory positives", "steps < 1 negative",
+                            "batch · memory", "batch cosine", "val R@1"], figures), ""]
         found = targets(grid, diffs)
         if (d := xbn_over_xbm(grid, paired_difference)) is not None:
             out += [f"XBN − XBM (memory loss alone) at batch 16, paired: {d['mean']:+.3f} [{d['low']:+.3f}, "
