@@ -39,6 +39,8 @@ ARM_CHANGES = {
     "xbn_c": "XBN, centred gradient",
     "xbm_c": "XBM, centred gradient",
     "oracle_c": "drift-free memory, centred gradient",
+    # Omniglot (`mech_omniglot_b16.json`): is XBM starved of negatives by drift? All pairs against its memory
+    "xbm_c_all": "XBM, centred gradient, all pairs against the memory (`memory.mine=false`): no negative starved",
 }
 # The arms the targets compare, in the newest grid's names first (`grid_fix.json`), then `grid_collapse.json`'s.
 ORACLE_ARMS, XBN_ARMS, XBM_ARMS = ("oracle_c", "oracle"), ("xbn_c", "xbn"), ("xbm_c", "xbm")
@@ -74,6 +76,10 @@ def mechanism_rows(data: dict[str, Any]) -> list[list[str]]:
         no_positive = statistics.mean(r["memory_no_positive"] for r in tail if r.get("memory_no_positive") is not None) \
             if tail and any(r.get("memory_no_positive") is not None for r in tail) else None
 
+        starved = statistics.mean(r["memory_negatives"] < 1 for r in tail
+                                  if r.get("memory_negatives") is not None) \
+            if tail and any(r.get("memory_negatives") is not None for r in tail) else None
+
         def fig(row, key):
             return f"{row[key]:.3f}" if row and row.get(key) is not None else ""
 
@@ -81,7 +87,8 @@ def mechanism_rows(data: dict[str, Any]) -> list[list[str]]:
                      str(run["best_epoch"]), str(run.get("collapse_iteration") or "never"),
                      f"{fig(start, 'batch_cosine')} → {fig(later, 'batch_cosine')}" if start else "",
                      f"{fig(start, 'batch_memory_cosine')} → {fig(later, 'batch_memory_cosine')}" if start else "",
-                     f"{no_positive:.2f}" if no_positive is not None else ""])
+                     f"{no_positive:.2f}" if no_positive is not None else "",
+                     f"{starved:.2f}" if starved is not None else ""])
     return rows
 
 
@@ -214,14 +221,17 @@ def render(mechanism: list[dict[str, Any]], grids: list[dict[str, Any]], header,
            "every image maps to one point) and the cosine between the batch's mean and the memory's "
            "(`batch_memory_cosine`). A run *collapsed* at the first logged step with `batch_cosine` ≥ 0.95.", ""]
     for data in sorted(mechanism, key=lambda d: d.get("started", "")):
+        joins = sorted({int(series[0]["iteration"]) for run in data["runs"] if (series := _series(run))})
         out += [f"### The mechanism, one arm per candidate cause (`{data['_file']}`)", "",
-                f"Schedule: 1 + {_epochs(data)} epochs, batch 16, seed 0.", "", header(data), "",
+                f"{data['runs'][0]['dataset']}, schedule 1 + {_epochs(data)} epochs, batch 16, seed 0.", "",
+                header(data), "",
                 "Columns: test R@1; the best epoch (1 is the warm-up's checkpoint: the arm never improved on it); "
-                f"the collapse step (the memory joins at step 129); `batch_cosine` and `batch_memory_cosine` when "
+                f"the collapse step (the memory's first logged step: {', '.join(map(str, joins)) or '-'}); "
+                "`batch_cosine` and `batch_memory_cosine` when "
                 f"the memory joined → {AFTER} steps later; the share of steps in the last quarter that mined no "
-                "positive against the memory.", "",
+                "positive, and less than one negative, against the memory.", "",
                 _table(["arm", "what it changes", "test R@1", "best epoch", "collapse step", "batch cosine",
-                        "batch · memory", "no positive"], mechanism_rows(data)), ""]
+                        "batch · memory", "no positive", "< 1 negative"], mechanism_rows(data)), ""]
     newest: dict[str, list[dict[str, Any]]] = {}  # per dataset, the newest grid's verdicts stand
     for grid in grids:
         dataset = grid["runs"][0]["dataset"]
