@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 from typing import Any, NamedTuple
 
 from xbn.config import ConfigError, Params, load_params
@@ -28,6 +29,7 @@ from xbn.utils.errors import (
 from xbn.utils.locks import LockLost, RunBusy
 from xbn.utils.logs import configure_logging
 from xbn.utils.progress import set_quiet
+from xbn.utils.secrets import mask_secrets
 
 # The commands that build a loss, a backbone or use the device: their params also have those names resolved
 # when loaded (`check_names` imports torch, pytorch-metric-learning and timm: seconds in a fresh process,
@@ -660,16 +662,26 @@ def main(argv: list[str] | None = None) -> int:
         said, prefix = str(exc), f"xbn {args.command}: "
         if isinstance(exc, PermissionError) and exc.filename and not os.path.isabs(str(exc.filename)):
             said += f" (in {os.getcwd()}: a folder this account cannot write in)"
-        print(said if said.startswith(prefix) else prefix + said, file=sys.stderr)  # RunBusy names its command
+        said = said if said.startswith(prefix) else prefix + said  # RunBusy names its command
+        print(mask_secrets(said), file=sys.stderr)
         return next(code for kinds, code in exit_codes if isinstance(exc, kinds))
-    except Exception as exc:
-        if "mlflow" in sys.modules:  # an MLflow 401/403: the account's settings, one line, exit 2
+    except Exception as exc:  # noqa: BLE001 - printed masked, then exit 1: the traceback stays for a bug report
+        if "mlflow" in sys.modules:
+            from mlflow.exceptions import MlflowException
+
             from xbn.tracking.services import access_denied
 
-            if (line := access_denied(exc)) is not None:
+            if (line := access_denied(exc)) is not None:  # an MLflow 401/403: the account's settings, exit 2
                 print(f"xbn {args.command}: {line}", file=sys.stderr)
                 return EXIT_CONFIG
-        raise
+            if isinstance(exc, MlflowException) and " failed with exception " in str(exc):  # the store dropped
+                print(mask_secrets(f"xbn {args.command}: the MLflow tracking store failed a request, after "
+                                   f"MLflow's retries: {str(exc).splitlines()[0][:600]}"), file=sys.stderr)
+                return EXIT_SERVICE
+        # A failure xbn has no name for: its traceback, every credential masked (MLflow's messages carry the
+        # tracking URI, password included, and a traceback is a log someone keeps).
+        print(mask_secrets("".join(traceback.format_exception(exc))).rstrip(), file=sys.stderr)
+        return EXIT_FAILURE
     if result is None:  # a command that ran until stopped (serve)
         return 0
     try:

@@ -76,3 +76,57 @@ def test_an_error_is_written_masked_to_the_stage_record(params, tmp_path):
     write_record(params, "train", "failed", None, None, record_path=tmp_path / "record.yaml", reason=error)
     assert read_record(tmp_path / "record.yaml")["stages"]["train"]["reason"] == \
         "OperationalError: could not connect to postgresql://xbn:***@db:5432/mlflow"
+
+
+@pytest.fixture
+def half_server():
+    """A real socket that answers /health and drops every other request unanswered: the MLflow store reachable,
+    then failing mid-call (a proxy restarting, a server killed between two requests)."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                if b" /health" in conn.recv(65536).split(b"\r\n")[0]:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nOK")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield listener.getsockname()[1]
+    stop.set()
+    thread.join()
+    listener.close()
+
+
+def test_an_mlflow_call_failing_with_the_password_in_its_url_prints_it_masked(half_server, tmp_path, monkeypatch,
+                                                                             capsys):
+    """Issue 54 item 7: MLflow's own message names the URL it called, password included; the command printed it in
+    a traceback. Now: one masked line, exit 4 (a service); and any traceback xbn has no name for is masked too."""
+    from xbn.cli import main
+    from xbn.utils.errors import EXIT_FAILURE, EXIT_SERVICE
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://xbn:{SECRET}@127.0.0.1:{half_server}/")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    assert main(["registry", "review", "--set", "tracking.outage_s=0"]) == EXIT_SERVICE
+    out = capsys.readouterr()
+    assert SECRET not in out.out + out.err
+    assert "failed a request" in out.err and f"http://xbn:***@127.0.0.1:{half_server}/api/" in out.err
+
+    def fails(*args, **kwargs):
+        raise RuntimeError(f"nothing xbn names, at postgresql://xbn:{SECRET}@db/mlflow")
+
+    monkeypatch.setattr("xbn.stages.summary.summary_text", fails)
+    assert main(["summary", "--set", "tracking.enabled=false"]) == EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "postgresql://xbn:***@db/mlflow" in err and SECRET not in err
