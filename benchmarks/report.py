@@ -589,7 +589,7 @@ def shipped_method() -> str:
     return memory.method + ("*" if memory.add_batch_loss and memory.method != "none" else "")
 
 
-def promise_section(data: dict[str, Any]) -> str:
+def promise_section(data: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     """The shipped-defaults claim: `make run`'s configuration against the same pipeline without a memory."""
     from benchmarks.grid import render
 
@@ -598,7 +598,7 @@ def promise_section(data: dict[str, Any]) -> str:
     table = [r for r in data["table"] if r["dataset"] == "default"]
     methods = [r["method"] for r in table if r["method"] != "none"]
     if info is None or not methods or "none" not in {r["method"] for r in table}:
-        return "\n".join(out + ["Not measured: the results hold no pair of runs with and without a memory.", ""])
+        return "\n".join(out + ["Not measured: the results hold no pair of runs with and without a memory.", ""]), []
     batch = table[0]["batch"]
     splits = info["splits"]
     out += [f"What `make run` trains (params.yaml as shipped: {info['spec']['classes']} glyph classes at "
@@ -610,20 +610,26 @@ def promise_section(data: dict[str, Any]) -> str:
         out += [f"**Stale:** params.yaml now ships `{shipped}`; these runs measured {', '.join(methods)}. "
                 f"`python -m benchmarks grid --datasets default --methods none '{shipped}' --batches {batch} "
                 "--output promise` measures the current default.", ""]
+    found = []
     for method in methods:
         d = paired_difference(data["runs"], "default", batch, method, "none")
         if d is None:
             out.append(f"- {method}: fewer than 2 paired seeds, no verdict.")
             continue
         counts = "excludes 0" if d["low"] > 0 else "contains 0"
+        judged = verdict(d["low"], d["high"], at_least=PROMISE_MARGIN)
         out.append(f"- {method} minus none, test R@1 paired over {d['seeds']} seeds: {_interval(d)} (95% interval, "
                    f"which {counts}). Target (difference >= +{PROMISE_MARGIN}, met when the whole interval is): "
-                   f"{_verdict(verdict(d['low'], d['high'], at_least=PROMISE_MARGIN))}.")
+                   f"{_verdict(judged)}.")
+        if method == shipped:
+            found.append({"what": f"make run's settings: the shipped default ({method}) - none, test R@1, paired "
+                                  f"over {d['seeds']} seeds, whole interval", "at_least": PROMISE_MARGIN,
+                          "value": _interval(d), "verdict": judged, "section": "0", "file": data["_file"]})
         if (m := paired_difference(data["runs"], "default", batch, method, "none", key="map@r")) is not None:
             counts = "excludes 0" if m["low"] > 0 or m["high"] < 0 else "contains 0"
             out.append(f"- {method} minus none, test MAP@R paired over {m['seeds']} seeds: {_interval(m)} (95% "
                        f"interval, which {counts}; shown beside the target, which is on R@1).")
-    return "\n".join(out + [""])
+    return "\n".join(out + [""]), found
 
 
 def targets_section(targets: list[dict[str, Any]]) -> str:
@@ -687,6 +693,15 @@ def retrain_section(data: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     return text, [t | {"section": "retrain", "file": data["_file"]} for t in found]
 
 
+def contents(parts: list[str]) -> str:
+    """The page's sections in order, each linked (the Targets table first)."""
+    from benchmarks.verdict_summary import anchor
+
+    headings = [line for part in parts for line in part.splitlines() if line.startswith("## ")]
+    return "\n".join(["## Contents", "", "- [Targets](#targets)",
+                      *(f"- [{h.removeprefix('## ')}](#{anchor(h)})" for h in headings), ""])
+
+
 def main(argv: list[str] | None = None) -> Path:
     from benchmarks import verdict_summary
 
@@ -699,23 +714,21 @@ def main(argv: list[str] | None = None) -> Path:
         targets.extend(found)
 
     if promise := _load("promise"):
-        parts.append(promise_section(promise))
-    for name, section in (("memory_cpu", memory_section), ("memory_cpu_all_pairs", memory_section),
-                          ("memory_quick", memory_section),
-                          ("memory_cuda", memory_section), ("memory_cuda_all_pairs", memory_section),
-                          ("eval", eval_section), ("eval_quick", eval_section),
-                          ("loader", loader_section)):
+        add(*promise_section(promise), promise)
+    for name in ("memory_cpu", "memory_cpu_all_pairs", "memory_quick", "memory_cuda", "memory_cuda_all_pairs"):
         if data := _load(name):
-            add(*section(data), data)
+            add(*memory_section(data), data)
     if data := _load("map_variants"):  # issue 44 item 3: how to apply the map, measured before choosing
         from benchmarks import map_variants
 
         how, variants = map_variants.__doc__.split("\n\n")[2:4]
         parts.append("\n".join(["## 1b. XBN's map: in place, lazy or blocked (map_variants)", "", _header(data), "",
                                  how, "", "```", variants, "```", "", map_variants.render(data)]))
+    for name, section in (("eval", eval_section), ("eval_quick", eval_section), ("loader", loader_section)):
+        if data := _load(name):
+            add(*section(data), data)
     parts.append(gpu_section(_load("gpu")))
-    for name, section in (("pipeline", pipeline_section), ("grid", grid_section),
-                          ("methods", methods_section)):
+    for name, section in (("pipeline", pipeline_section), ("grid", grid_section)):
         if data := _load(name):
             parts.append(section(data))
     if data := _load("grid_scale"):  # issue 30: the memory at a user's scale, batch 16 to 64
@@ -727,6 +740,8 @@ def main(argv: list[str] | None = None) -> Path:
                                         "each row's arms re-run together at one commit on one machine)"))
         parts.append("\n".join(["### The shipped default (issue 45)", "", *batch_loss_decision(data, DEFAULT_BATCH),
                                 ""]))
+    if data := _load("methods"):  # section 7, after 6's variants
+        parts.append(methods_section(data))
     for name in ("serving", "serving_onnx", "serving_quick", "serving_hostile"):  # after methods: section 8
         if data := _load(name):
             add(*serving_section(data), data)
@@ -783,7 +798,7 @@ def main(argv: list[str] | None = None) -> Path:
              "absolute timings are noisy: comparisons are between contenders measured **in the same run**, and "
              "each section gives the load average before and after its run.", ""]
     path = DOCS / "benchmarks.md"
-    write_text(path, "\n".join([*intro, targets_section(targets), *parts]).rstrip() + "\n")
+    write_text(path, "\n".join([*intro, contents(parts), targets_section(targets), *parts]).rstrip() + "\n")
     for t in targets:
         measured = (f"{t['median']} [{t['low']}, {t['high']}]" if "low" in t else _iqr(t) if "median" in t
                     else t.get("value", "-"))

@@ -23,9 +23,19 @@ def test_one_row_per_target_with_the_newest_verdict_of_each_kind():
                  batch=16, at_most=1.02) for v, m in (("met", 4096), ("inconclusive", 65536))),
     ]
     table = summary_table(rows).splitlines()
-    assert len(table) == 2 + 2  # header, rule, one row per target
-    assert table[2].startswith("| ratio, at least 0.9 | **met**: 0.95 | - | **missed**: 0.1 |")  # quick run left out
+    assert table[4:] == ["", "2 live targets."]
+    assert table[2].startswith("| ratio, at least 0.9 | **met**: 0.95 | not measured on this kind of machine | "
+                               "**missed**: 0.1 |")  # quick run left out
     assert "**1 inconclusive**, **1 met** of 2 configurations" in table[3]
+
+
+def test_a_retired_target_leaves_the_screen_saying_why():
+    rows = [target("r/a.json", "AVX2 CPU", "2026-01-01", "met", 1.0, what="ratio", at_least=0.9),
+            target("r/b.json", "AVX2 CPU", "2026-01-01", "missed", 0.9,
+                   what="training epoch wall time, decode cache / PIL <= 0.8")]
+    table = summary_table(rows)
+    assert "1 live targets" in table and "| training epoch" not in table
+    assert "- replaced by make run's training wall time (section 11)" in table and "decode cache / PIL" in table
 
 
 def test_the_kind_comes_from_the_recorded_machine():
