@@ -206,11 +206,51 @@ GRID_NOTES = {
                          "epochs), without the oracle (three times the others' cost): the memory loss alone "
                          "(`_c`, centred), the shipped default `xbn*` and `none` at batch 16; `none` and `xbn*` "
                          "at batch 64 join with `--resume --batches 64 --methods none xbn*`.",
+    "grid_all_omniglot": "Is XBM starved of negatives by drift? Its memory loss alone (centred) with the miner's "
+                         "pairs against the memory (`xbm_c`) and with every pair (`xbm_c_all`, "
+                         "`memory.mine=false`: no negative can be starved), XBN with every pair (`xbn_c_all`), and "
+                         "`none`, on Omniglot at batch 16, all at one commit on one machine.",
 }
 
 
-def render(mechanism: list[dict[str, Any]], grids: list[dict[str, Any]], header, paired_difference
-           ) -> tuple[str, list[dict[str, Any]]]:
+def grid_tables(grid: dict[str, Any], diffs: dict[int, dict[str, Any]], paired_difference) -> list[str]:
+    """A grid's tables: each batch's arms against `none` (filling `diffs`), then the memory path's figures."""
+    dataset, out = grid["runs"][0]["dataset"], []
+    for batch in sorted({r["batch"] for r in grid["runs"]}):
+        rows, diffs[batch] = grid_rows(grid, batch, paired_difference)
+        out += [f"{dataset}, batch {batch}: test R@1 mean ± std over seeds; the paired difference to `none` "
+                "with its 95% interval; each seed's best epoch; how many seeds ended at the warm-up's "
+                "checkpoint, and how many collapsed.", "",
+                _table(["arm", "seeds", "test R@1", "− none", "best epochs", "at warm-up", "collapsed"], rows),
+                ""]
+    if figures := figure_rows(grid):
+        out += ["The memory path over the second half of training, mean over seeds: pairs mined against the "
+                "memory per logged step (negatives, positives); the share of steps that mined less than one "
+                "negative; the cosine between the batch's mean and the memory's; the batch's mean pairwise "
+                "cosine; validation R@1 at the warm-up's end → the last epoch.", "",
+                _table(["arm", "batch", "seeds", "memory negatives", "memory positives", "steps < 1 negative",
+                        "batch · memory", "batch cosine", "val R@1"], figures), ""]
+    return out
+
+
+# The probes: grids that test a mechanism over seeds (shown with their paired contrasts; they judge no target).
+PROBE_CONTRASTS = {
+    "grid_all_omniglot": (("xbm_c_all", "xbm_c", "XBM: every pair against the memory − the miner's"),
+                          ("xbn_c_all", "xbm_c_all", "XBN − XBM, both with every pair against the memory")),
+}
+
+
+def probe_lines(grid: dict[str, Any], paired_difference) -> list[str]:
+    dataset, out = grid["runs"][0]["dataset"], []
+    for arm, base, what in PROBE_CONTRASTS.get(Path(grid["_file"]).stem, ()):
+        if (d := paired_difference(grid["runs"], dataset, 16, arm, base)) is not None:
+            out += [f"- {what} (`{arm}` − `{base}`), batch 16, paired: {d['mean']:+.3f} [{d['low']:+.3f}, "
+                    f"{d['high']:+.3f}] over {d['seeds']} seeds.", ""]
+    return out
+
+
+def render(mechanism: list[dict[str, Any]], grids: list[dict[str, Any]], header, paired_difference,
+           probes: list[dict[str, Any]] = ()) -> tuple[str, list[dict[str, Any]]]:
     """Section 15 and its targets (judged on the last of `grids`, the newest); `header` and `paired_difference`
     are report.py's."""
     out = ["## 15. Why a drift-free memory collapsed, and the memory arms again (issue 52)", "",
@@ -238,20 +278,7 @@ def render(mechanism: list[dict[str, Any]], grids: list[dict[str, Any]], header,
         diffs: dict[int, dict[str, Any]] = {}
         out += ["### Every memory arm beside `none`, with the fix (`" + grid["_file"] + "`)", "",
                 GRID_NOTES.get(Path(grid["_file"]).stem, ""), "", header(grid), ""]
-        for batch in sorted({r["batch"] for r in grid["runs"]}):
-            rows, diffs[batch] = grid_rows(grid, batch, paired_difference)
-            out += [f"{dataset}, batch {batch}: test R@1 mean ± std over seeds; the paired difference to `none` "
-                    "with its 95% interval; each seed's best epoch; how many seeds ended at the warm-up's "
-                    "checkpoint, and how many collapsed.", "",
-                    _table(["arm", "seeds", "test R@1", "− none", "best epochs", "at warm-up", "collapsed"], rows),
-                    ""]
-        if figures := figure_rows(grid):
-            out += ["The memory path over the second half of training, mean over seeds: pairs mined against the "
-                    "memory per logged step (negatives, positives); the share of steps that mined less than one "
-                    "negative; the cosine between the batch's mean and the memory's; the batch's mean pairwise "
-                    "cosine; validation R@1 at the warm-up's end → the last epoch.", "",
-                    _table(["arm", "batch", "seeds", "memory negatives", "memory positives", "steps < 1 negative",
-                            "batch · memory", "batch cosine", "val R@1"], figures), ""]
+        out += grid_tables(grid, diffs, paired_difference)
         found = targets(grid, diffs)
         if (d := xbn_over_xbm(grid, paired_difference)) is not None:
             out += [f"XBN − XBM (memory loss alone) at batch 16, paired: {d['mean']:+.3f} [{d['low']:+.3f}, "
@@ -274,6 +301,10 @@ def render(mechanism: list[dict[str, Any]], grids: list[dict[str, Any]], header,
                           "verdict": _judged(d, d["mean"] >= 0), "section": "15",
                           "file": grid["_file"]})
         newest[dataset] = found
+    for grid in probes:
+        out += ["### The mechanism over seeds (`" + grid["_file"] + "`)", "", GRID_NOTES.get(Path(grid["_file"]).stem,
+                ""), "", header(grid), "", *grid_tables(grid, {}, paired_difference),
+                *probe_lines(grid, paired_difference)]
     found = [t for dataset_targets in newest.values() for t in dataset_targets]
     return "\n".join(out) + "\n", found
 

@@ -786,7 +786,8 @@ def main(argv: list[str] | None = None) -> Path:
     if mechanism or grids:  # section 15: issue 52's collapse of the memory
         from benchmarks import collapse_study
 
-        text, found = collapse_study.render(mechanism, grids, _header, paired_difference)
+        probes = [d for name in ("grid_all_omniglot",) if (d := _load(name))]
+        text, found = collapse_study.render(mechanism, grids, _header, paired_difference, probes)
         # Each target names its grid, whose machine it was measured on (one grid per dataset stands).
         found = [t for data in grids for t in verdict_summary.annotate(
             [t for t in found if t["file"] == data["_file"]], data, text)]

@@ -229,7 +229,8 @@ def folder_md5(folder: Path) -> str:
     tree = Tree()
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         with path.open("rb") as file:
-            tree.add(path.relative_to(folder).parts, None, HashInfo("md5", hashlib.file_digest(file, "md5").hexdigest()))
+            md5 = hashlib.file_digest(file, "md5").hexdigest()
+        tree.add(path.relative_to(folder).parts, None, HashInfo("md5", md5))
     tree.digest()
     assert tree.hash_info is not None and tree.hash_info.value is not None
     return tree.hash_info.value
