@@ -45,8 +45,8 @@ GATE_INTERVAL_TAG = "gate_interval"  # the comparison in short: `+0.0120 [-0.004
 # Issue 42: the card says where the trained loss departs from the paper it cites, and why (docs/method.md,
 # "Where xbn departs from seed 000's XBN").
 DEPARTURE = ("- departs from seed 000's XBN, which takes the memory loss alone: the minibatch loss is added, as the "
-             "official XBM code does; alone, the memory loss never beat no memory at batch 64 on any set xbn "
-             "measured (docs/benchmarks.md, section 6b)")
+             "official XBM code does; alone, the memory loss lost to no memory in most of xbn's measurements and "
+             "beat it beyond the seed spread only on Omniglot at batch 16 (docs/benchmarks.md, sections 6b and 15)")
 # Issue 52: a memory whose rows take no gradient let the batch run from them as one and collapse; the card says
 # when the trained loss carries the fix, which seed 000 does not have.
 CENTRED = ("- the memory loss's gradient is centred over the batch (`memory.center_gradient`), which seed 000 does "
