@@ -38,6 +38,7 @@ import pandas as pd
 from faiss.contrib.ondisk import merge_ondisk
 
 from xbn.config import IndexConfig
+from xbn.data.errors import DatasetError
 from xbn.evaluation.knn import knn_search
 from xbn.serving.embed_job import read_embeddings
 from xbn.serving.index import (
@@ -241,7 +242,7 @@ def shards_model(shards: Sequence[str | Path]) -> str:
 
     found = {(pq.read_schema(s).metadata or {}).get(b"xbn.model_sha256", b"").decode() for s in shards}
     if len(found) != 1:
-        raise ValueError(f"the shards were embedded by {len(found)} different models: re-embed them with one")
+        raise DatasetError(f"the shards were embedded by {len(found)} different models: re-embed them with one")
     return found.pop()
 
 
