@@ -54,6 +54,20 @@ def glyph_root(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(autouse=True)
+def mlflow_account_put_back():
+    """xbn moves a tracking URI's embedded account into MLFLOW_TRACKING_USERNAME/PASSWORD for the process
+    (`account_to_environment`): each test leaves the next one the account it found."""
+    names = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+    before = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="module")
 def prefect_harness(tmp_path_factory):
     """Flows run for real against Prefect's test harness (a temporary database and API server), one per module:

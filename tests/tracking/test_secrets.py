@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import yaml
@@ -110,7 +111,8 @@ def half_server():
 def test_an_mlflow_call_failing_with_the_password_in_its_url_prints_it_masked(half_server, tmp_path, monkeypatch,
                                                                              capsys):
     """Issue 54 item 7: MLflow's own message names the URL it called, password included; the command printed it in
-    a traceback. Now: one masked line, exit 4 (a service); and any traceback xbn has no name for is masked too."""
+    a traceback. Now the account leaves the URI as it is read, the failure is one line with exit 4 (a service),
+    and any traceback xbn has no name for is printed masked."""
     from xbn.cli import main
     from xbn.utils.errors import EXIT_FAILURE, EXIT_SERVICE
 
@@ -121,7 +123,8 @@ def test_an_mlflow_call_failing_with_the_password_in_its_url_prints_it_masked(ha
     assert main(["registry", "review", "--set", "tracking.outage_s=0"]) == EXIT_SERVICE
     out = capsys.readouterr()
     assert SECRET not in out.out + out.err
-    assert "failed a request" in out.err and f"http://xbn:***@127.0.0.1:{half_server}/api/" in out.err
+    # The account went to the environment as the URI was read, so MLflow's message names the URL without it.
+    assert "failed a request" in out.err and f"API request to http://127.0.0.1:{half_server}/api/" in out.err
 
     def fails(*args, **kwargs):
         raise RuntimeError(f"nothing xbn names, at postgresql://xbn:{SECRET}@db/mlflow")
@@ -130,3 +133,18 @@ def test_an_mlflow_call_failing_with_the_password_in_its_url_prints_it_masked(ha
     assert main(["summary", "--set", "tracking.enabled=false"]) == EXIT_FAILURE
     err = capsys.readouterr().err
     assert "Traceback" in err and "postgresql://xbn:***@db/mlflow" in err and SECRET not in err
+
+
+def test_a_server_uri_gives_its_account_to_the_environment_unless_one_is_set(monkeypatch):
+    from xbn.tracking.services import account_to_environment
+
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    assert account_to_environment(f"https://xbn:{SECRET}%40x@mlflow.example.com:443/") == \
+        "https://mlflow.example.com:443/"
+    assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]) == ("xbn", f"{SECRET}@x")
+    # One set already wins, as it does in MLflow's client; the URI still loses its account.
+    assert account_to_environment("http://other:pw@h:5000") == "http://h:5000"
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "xbn"
+    for uri in ("http://h:5000", "sqlite:///m.db", f"postgresql://xbn:{SECRET}@db/mlflow"):
+        assert account_to_environment(uri) == uri  # libpq reads PGPASSWORD; the DSN is masked where written

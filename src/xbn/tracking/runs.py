@@ -41,7 +41,7 @@ from xbn.data.snapshot import DATA_FILES, DATA_RECORD, DataSnapshot, current_rec
 from xbn.tracking import pyfunc
 from xbn.tracking.fingerprints import data_hash, file_digest, git_commit, params_hash
 from xbn.tracking.plots import plot_evaluation, plot_gate, plot_training
-from xbn.tracking.services import Retrying, mask_secrets, redact
+from xbn.tracking.services import Retrying, account_to_environment, mask_secrets, redact
 from xbn.utils.io import write_text
 
 log = logging.getLogger(__name__)
@@ -70,8 +70,9 @@ class PipelineRun:
 
 
 def tracking_uri(params: Params) -> str:
-    """`$MLFLOW_TRACKING_URI` (a server in production) wins over `tracking.uri` (local SQLite by default)."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or params.tracking.uri
+    """`$MLFLOW_TRACKING_URI` (a server in production) wins over `tracking.uri` (local SQLite by default); a
+    server's account embedded in it goes to the environment (`account_to_environment`)."""
+    return account_to_environment(os.environ.get("MLFLOW_TRACKING_URI") or params.tracking.uri)
 
 
 def configure(params: Params) -> str:

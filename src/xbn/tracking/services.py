@@ -33,6 +33,24 @@ def has_password(uri: str) -> bool:
     return mask_secrets(uri) != uri
 
 
+def account_to_environment(uri: str) -> str:
+    """A server URI that embeds its account (`https://user:pw@host`), without it; the account goes to
+    MLFLOW_TRACKING_USERNAME/PASSWORD (this process and those it starts), which MLflow's client reads, unless
+    they are set already (MLflow's client lets them win over the URI's). MLflow's own messages name the URL
+    they called (`API request to <url> failed`), so a password left in the URI reached every traceback, log
+    line and flow-run state quoting them. Other URIs are returned as they are (libpq reads PGPASSWORD, and a
+    database URI's password is masked wherever xbn writes it)."""
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or parts.password is None:
+        return uri
+    log.warning("tracking URI %s embeds a password: set it in the environment instead (MLFLOW_TRACKING_PASSWORD); "
+                "xbn moved it there for this run", mask_secrets(uri))
+    if "MLFLOW_TRACKING_USERNAME" not in os.environ:
+        os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(parts.username or "")
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(parts.password)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
 def check_reachable(uri: str, timeout: float = 5.0) -> None:
     """Raise `ServiceUnavailableError` naming `uri` (masked) unless the tracking store answers: a server's
     `/health`, a database a connection; a SQLite file needs its directory to exist."""
