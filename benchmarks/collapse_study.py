@@ -206,6 +206,9 @@ GRID_NOTES = {
                          "epochs), without the oracle (three times the others' cost): the memory loss alone "
                          "(`_c`, centred), the shipped default `xbn*` and `none` at batch 16; `none` and `xbn*` "
                          "at batch 64 join with `--resume --batches 64 --methods none xbn*`.",
+    "grid_all_b64": "At the shipped batch of 64, on both sets: XBM's memory loss alone with every pair against the "
+                    "memory (centred, `xbm_c_all`), the shipped default `xbn*` and `none`, all at one commit on one "
+                    "machine.",
     "grid_all_omniglot": "Is XBM starved of negatives by drift? Its memory loss alone (centred) with the miner's "
                          "pairs against the memory (`xbm_c`) and with every pair (`xbm_c_all`, "
                          "`memory.mine=false`: no negative can be starved), XBN with every pair (`xbn_c_all`), and "
@@ -237,15 +240,17 @@ def grid_tables(grid: dict[str, Any], diffs: dict[int, dict[str, Any]], paired_d
 PROBE_CONTRASTS = {
     "grid_all_omniglot": (("xbm_c_all", "xbm_c", "XBM: every pair against the memory − the miner's"),
                           ("xbn_c_all", "xbm_c_all", "XBN − XBM, both with every pair against the memory")),
+    "grid_all_b64": (("xbm_c_all", "xbn*", "XBM's memory loss alone with every pair − the shipped default"),),
 }
 
 
 def probe_lines(grid: dict[str, Any], paired_difference) -> list[str]:
     dataset, out = grid["runs"][0]["dataset"], []
-    for arm, base, what in PROBE_CONTRASTS.get(Path(grid["_file"]).stem, ()):
-        if (d := paired_difference(grid["runs"], dataset, 16, arm, base)) is not None:
-            out += [f"- {what} (`{arm}` − `{base}`), batch 16, paired: {d['mean']:+.3f} [{d['low']:+.3f}, "
-                    f"{d['high']:+.3f}] over {d['seeds']} seeds.", ""]
+    for batch in sorted({r["batch"] for r in grid["runs"]}):
+        for arm, base, what in PROBE_CONTRASTS.get(Path(grid["_file"]).stem, ()):
+            if (d := paired_difference(grid["runs"], dataset, batch, arm, base)) is not None:
+                out += [f"- {dataset}, {what} (`{arm}` − `{base}`), batch {batch}, paired: {d['mean']:+.3f} "
+                        f"[{d['low']:+.3f}, {d['high']:+.3f}] over {d['seeds']} seeds.", ""]
     return out
 
 
@@ -303,8 +308,10 @@ def render(mechanism: list[dict[str, Any]], grids: list[dict[str, Any]], header,
         newest[dataset] = found
     for grid in probes:
         out += ["### The mechanism over seeds (`" + grid["_file"] + "`)", "", GRID_NOTES.get(Path(grid["_file"]).stem,
-                ""), "", header(grid), "", *grid_tables(grid, {}, paired_difference),
-                *probe_lines(grid, paired_difference)]
+                ""), "", header(grid), ""]
+        for dataset in dict.fromkeys(r["dataset"] for r in grid["runs"]):  # one dataset's runs at a time
+            view = {**grid, "runs": [r for r in grid["runs"] if r["dataset"] == dataset]}
+            out += [*grid_tables(view, {}, paired_difference), *probe_lines(view, paired_difference)]
     found = [t for dataset_targets in newest.values() for t in dataset_targets]
     return "\n".join(out) + "\n", found
 
