@@ -33,6 +33,9 @@ def has_password(uri: str) -> bool:
     return mask_secrets(uri) != uri
 
 
+_WARNED: set[str] = set()  # the masked URIs whose embedded account was already reported
+
+
 def account_to_environment(uri: str) -> str:
     """A server URI that embeds its account (`https://user:pw@host`), without it; the account goes to
     MLFLOW_TRACKING_USERNAME/PASSWORD (this process and those it starts), which MLflow's client reads, unless
@@ -43,8 +46,10 @@ def account_to_environment(uri: str) -> str:
     parts = urlsplit(uri)
     if parts.scheme not in ("http", "https") or parts.password is None:
         return uri
-    log.warning("tracking URI %s embeds a password: set it in the environment instead (MLFLOW_TRACKING_PASSWORD); "
-                "xbn moved it there for this run", mask_secrets(uri))
+    if (shown := mask_secrets(uri)) not in _WARNED:  # once per process: the URI is read at every stage
+        _WARNED.add(shown)
+        log.warning("tracking URI %s embeds a password: set it in the environment instead "
+                    "(MLFLOW_TRACKING_PASSWORD); xbn moved it there for this run", shown)
     if "MLFLOW_TRACKING_USERNAME" not in os.environ:
         os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(parts.username or "")
         os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(parts.password)
