@@ -1,8 +1,8 @@
 """`xbn export --format onnx`: models/model.pt as one ONNX file with a free batch axis (uint8 pixels in, the
 normalisation in the graph) and its preprocessing rule beside it (`<file>.json`), checked against torch on real
-catalogue images (max |diff| <= 1e-4) before they are kept, and attached to the model's registry version (under
-`onnx/<sha256>/`, the ONNX file's sha256 as the version tag `onnx_sha256`), and logged as an `mlflow.onnx` model in the
-version's run (tag `onnx_model_uri`)."""
+catalogue images (max |diff| <= 1e-4) before they are kept, and attached to the model's registry version
+(under `onnx/<sha256>/`, the ONNX file's sha256 as the version tag `onnx_sha256`), and logged as an
+`mlflow.onnx` model in the version's run (tag `onnx_model_uri`)."""
 
 from __future__ import annotations
 

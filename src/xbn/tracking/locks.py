@@ -46,7 +46,6 @@ class RegistryLockTimeout(LockTimeout):
 
 
 LOCK_URI_ENV = "XBN_LOCK_URI"
-_HELD_RUNS = HELD_RUN_LOCKS  # run locks this process holds, by label: a nested acquisition is a no-op
 
 
 def lock_key(name: str) -> int:
@@ -75,8 +74,8 @@ def run_lock(uri: str, name: str, what: str, wait_s: float = 0.0, lock_uri: str 
     """Hold the run lock of model `name` inside the block (`what`: the command, for the message a second run
     gets); `wait_s`: how long a second run waits before it refuses to start (`RunBusy`)."""
     label = f"xbn-run:{name}"
-    if label in _HELD_RUNS:  # this process already runs it (`xbn run` -> register)
-        yield _HELD_RUNS[label]
+    if label in HELD_RUN_LOCKS:  # this process already runs it (`xbn run` -> register): a no-op
+        yield HELD_RUN_LOCKS[label]
         return
     with contextlib.ExitStack() as held:
         try:
@@ -84,16 +83,16 @@ def run_lock(uri: str, name: str, what: str, wait_s: float = 0.0, lock_uri: str 
         except LockTimeout as exc:
             raise RunBusy(f"{what}: another run on {name} is in progress ({exc}); this one did not start: "
                           "run it again when that one has ended") from None
-        _HELD_RUNS[label] = hold
+        HELD_RUN_LOCKS[label] = hold
         try:
             yield hold
         finally:
-            del _HELD_RUNS[label]
+            del HELD_RUN_LOCKS[label]
 
 
 def held_run_locks() -> tuple[Held, ...]:
     """The run locks this process holds (the registry checks them before each write)."""
-    return tuple(_HELD_RUNS.values())
+    return tuple(HELD_RUN_LOCKS.values())
 
 
 def pipeline_lock(params, what: str):

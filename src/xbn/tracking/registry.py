@@ -75,7 +75,8 @@ class ModelVersionInfo:
 
 SERVED_TAG = "served_embedding"  # plain | refined (seed 001's context refiner on top of the embedder)
 PARENT_TAG = "parent_version"  # the version a fine-tuned model started from (train.init: champion)
-# SHA_TAG (from pyfunc, which checks it on load): the checkpoint's sha256, kept in the tracking store with the version
+# SHA_TAG (from pyfunc, which checks it on load): the checkpoint's sha256, kept in the tracking store with the
+# version.
 # What serves the version, logged on its logged model after registration (stage `index`, `xbn export`): the
 # catalogue index folder under `index/<sha256>/` and the ONNX file under `onnx/<sha256>/`. Their sha256 go to
 # version tags, kept in the tracking store like SHA_TAG, so a download is checked against a record the artifact
