@@ -67,7 +67,7 @@ LOCAL_ONLY = ("torch", "torchgen", "torchvision", "nvidia", "triton", "cuda")
 
 
 def fresh_environment(venv: Path, with_pip: bool = False, requirements: list[str] | None = None) -> Path:
-    """A new virtual environment without xbn, and its python.
+    """A new virtual environment without xbn (unless `requirements` name it), and its python.
 
     Without `requirements`, the dependencies are this environment's, added by path (a .pth line does not run that
     folder's own .pth files, so the editable link to the checkout stays out). With them, it gets exactly those,
@@ -92,11 +92,12 @@ def fresh_environment(venv: Path, with_pip: bool = False, requirements: list[str
             if entry.name.lower().startswith(LOCAL_ONLY):
                 (local / entry.name).symlink_to(entry)
         (site / "local-torch.pth").write_text(f"{local}\n")
+    missing = subprocess.run([str(python), "-c", "import xbn"], capture_output=True, text=True, cwd=venv)
+    assert missing.returncode != 0 and "No module named 'xbn'" in missing.stderr, missing.stderr
+    if requirements is not None:  # xbn's own wheel may be one of them
         done = subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q",
                                *requirements], capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
-    missing = subprocess.run([str(python), "-c", "import xbn"], capture_output=True, text=True, cwd=venv)
-    assert missing.returncode != 0 and "No module named 'xbn'" in missing.stderr, missing.stderr
     return python
 
 

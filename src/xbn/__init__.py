@@ -18,7 +18,7 @@ except metadata.PackageNotFoundError:  # imported from a source tree that was ne
     __version__ = "0+unknown"
 
 _EXPORTS = {
-    "cross_batch_memory": "xbn.training.criterion",
+    "cross_batch_memory": "xbn.memory",
     "CrossBatchMemory": "xbn.memory",
     "load_params": "xbn.config",
     "Params": "xbn.config",

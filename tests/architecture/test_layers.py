@@ -102,6 +102,30 @@ def test_no_module_imports_from_a_higher_layer(path):
     assert not upward, f"{me} (layer {layer(me)}) imports from higher layers: {upward}"
 
 
+# What `pip install xbn` (no extras) installs, and the standard library: all that xbn.memory may import.
+LIBRARY_PACKAGES = {"torch", "pytorch_metric_learning", "numpy", "__future__"}
+
+
+def third_party_imports(path: Path) -> set[str]:
+    import sys
+
+    tree = ast.parse(path.read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level and n.module}
+    return {name.split(".")[0] for name in names} - set(sys.stdlib_module_names) - {"xbn"}
+
+
+def test_the_memory_library_imports_nothing_of_the_pipeline():
+    """`import xbn.memory` runs only the memory's own modules and the error types, and those import only the
+    packages of a no-extras install (tests/console/test_installed.py installs one and trains with it)."""
+    files = {str(p.relative_to(SRC)) for p in closure("xbn.memory")}
+    assert "xbn/memory/methods.py" in files
+    assert files <= {"xbn/__init__.py", "xbn/utils/__init__.py", "xbn/utils/errors.py"} | {
+        str(p.relative_to(SRC)) for p in (SRC / "xbn" / "memory").glob("*.py")}, files
+    packages = set().union(*(third_party_imports(SRC / f) for f in files))
+    assert packages <= LIBRARY_PACKAGES, packages - LIBRARY_PACKAGES
+
+
 def stage_entries() -> dict[str, set[str]]:
     """Each `xbn <command>` of dvc.yaml: the xbn modules its CLI handler imports."""
     tree = ast.parse((SRC / "xbn" / "cli.py").read_text())

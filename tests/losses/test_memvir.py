@@ -135,6 +135,7 @@ def test_impossible_memvir_settings_are_refused_by_name(overrides, match):
         load_params(None, ["loss.memvir.enabled=true", "loss.miner=null", "train.lr_gamma=1", *overrides])
 
 
+@pytest.mark.slow  # an `xbn train` subprocess: its imports alone take 4-6 s on a busy 2-core machine
 def test_memvir_is_refused_up_front_with_exit_code_2(tmp_path):
     # The check runs when params load (`xbn train` exits 2 naming the keys), not at the first training step.
     import subprocess

@@ -24,10 +24,10 @@ removal). What it adds, written by hand because no library has it:
 - The loss's and the miner's distances normalise the reference set (every stored row) on each call:
   pytorch-metric-learning's `F.normalize` writes a fresh M x d copy each time, twice per step with a miner.
   Here the valid rows are normalised once per step into a kept buffer, a cache-sized block of rows at a time,
-  and every distance that normalises with the L2 norm is handed that buffer (`_SharedUnitRows`). At
-  M = 65,536 x 512 on a CPU one fresh copy cost 69 ms (128 MB of new pages) against 13 ms into the kept buffer.
-  (Mapping each block and normalising it in the same pass saved 2.4 of the map's 6 ms there in isolation, but
-  nothing inside a training step, so the map stays a pass of its own.)
+  and every distance that normalises with the L2 norm is handed that buffer (`_SharedUnitRows`). A
+  fresh copy is M x d new pages on every call; the kept buffer is written in place (the memory step's cost:
+  docs/benchmarks.md). The map stays a pass of its own: fusing it with the normalisation gained nothing inside
+  a training step.
 - No step waits for the device: counters are Python ints, the diagnostics stay 0-d device tensors until the
   trainer logs them (every `train.log_every` steps), and the finiteness of the map is decided on the device.
   A non-finite update (a NaN gain, an inf in the batch or the memory's moments: any non-finite value among
@@ -45,8 +45,8 @@ from pytorch_metric_learning.distances import BaseDistance
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 from torch import nn
 
-from xbn.losses.positives import MINING_COUNTS, needs_positive, with_positive
 from xbn.memory.moments import MomentEstimator
+from xbn.memory.positives import MINING_COUNTS, needs_positive, with_positive
 from xbn.utils.errors import NonFiniteLossError
 
 # Dimensions whose memory std is at most this are shifted, not scaled: with sigma[R] = 0 every row equals
@@ -365,7 +365,7 @@ class CrossBatchMemory(pml_losses.CrossBatchMemory):
 
     def refresh_sums(self) -> None:
         """Re-reduce the sums from the stored rows, in float64, a block of rows at a time: a float64 copy of the
-        whole memory would leave the cache (4096 x 512 rows: 4.9 ms in one piece, 1.9 ms in blocks of 256)."""
+        whole memory would leave the cache."""
         self.row_sum.zero_()
         self.row_sq_sum.zero_()
         for block in self.valid_rows().split(REFRESH_BLOCK):

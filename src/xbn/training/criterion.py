@@ -13,68 +13,19 @@ from pytorch_metric_learning.losses import GenericPairLoss
 from torch import nn
 
 from xbn.config import ConfigError, Params
-from xbn.config.schema import MemoryConfig
 from xbn.losses import build_loss, build_miner
 from xbn.losses.memvir import MemVir
-from xbn.losses.positives import MINING_COUNTS, needs_positive, with_positive
 from xbn.losses.rho import RhoRegularizedMiner
-from xbn.memory import (
-    AdaptiveKalmanMoments,
-    BatchMoments,
-    CrossBatchMemory,
-    EMAMoments,
-    KalmanMoments,
-    MomentEstimator,
-)
+from xbn.memory import CrossBatchMemory, cross_batch_memory
+from xbn.memory.positives import MINING_COUNTS, needs_positive, with_positive
 from xbn.training.figures import StepFigures
 from xbn.utils import distributed
 
 if TYPE_CHECKING:
     from xbn.losses.mpn import IntraBatchLoss
 
-__all__ = ["Criterion", "available_memory", "build_criterion", "build_moments", "build_mpn_loss",
-           "check_memory_fits", "cross_batch_memory", "memory_rows", "memory_start_iteration", "moments_for"]
-
-
-def build_moments(params: Params) -> MomentEstimator | None:
-    """The moment estimator of `memory.method` (None for xbm: the stored rows are left as they were written)."""
-    return moments_for(params.memory, params.model.embedding_dim)
-
-
-def moments_for(mem: MemoryConfig, dim: int) -> MomentEstimator | None:
-    if mem.method == "xbn":
-        return BatchMoments()
-    if mem.method == "axbn":
-        k = mem.kalman
-        return KalmanMoments(dim, p0=k.p0, q=k.q, r=k.r, gain_interval=k.gain_interval)
-    if mem.method == "ema":
-        return EMAMoments(dim, mem.ema_momentum)
-    if mem.method == "axbn_auto":
-        return AdaptiveKalmanMoments(dim, mem.innovation_momentum)
-    return None  # xbm
-
-
-def cross_batch_memory(loss: nn.Module, embedding_size: int, memory_size: int, method: str = "xbn",
-                       miner: nn.Module | None = None, **memory: object) -> CrossBatchMemory:
-    """A drop-in for pytorch-metric-learning's `CrossBatchMemory` whose stored embeddings follow the network's
-    drift: `method` is `memory.method` (xbn: rescaled to the batch's moments every step, seed 000 Eq. 6; axbn:
-    to a per-dimension Kalman estimate; ema; axbn_auto; xbm: PML's memory, rows as written). `memory`: any
-    other `memory.*` key of params.yaml, checked by the same schema (e.g. `kalman={"r": 0.1}`,
-    `ema_momentum=0.2`).
-
-        loss_fn = cross_batch_memory(losses.ContrastiveLoss(), embedding_size=128, memory_size=4096)
-        loss = loss_fn(embeddings, labels)  # as PML's: the batch is enqueued, then compared with the memory
-
-    xbn's pipeline also adds the loss on the batch alone (`memory.add_batch_loss`): alone, the memory loss lost to
-    no memory in most of xbn's measurements (docs/method.md, "When the memory helps, and when it does not"). Do
-    the same in your loop: `loss_fn(e, y) + inner_loss(e, y)`."""
-    try:
-        config = MemoryConfig.model_validate({**memory, "method": method})
-    except ValueError as exc:
-        raise ConfigError(f"memory: {exc}") from None
-    return CrossBatchMemory(loss, embedding_size, memory_size=memory_size, miner=miner,
-                            moments=moments_for(config, embedding_size), exclude_self=config.exclude_self,
-                            attach_batch=config.attach_batch, center_gradient=config.center_gradient)
+__all__ = ["Criterion", "available_memory", "build_criterion", "build_mpn_loss",
+           "check_memory_fits", "memory_rows", "memory_start_iteration"]
 
 
 def memory_rows(size: float, num_train_images: int, batch_size: int) -> int:
@@ -265,9 +216,11 @@ def build_criterion(params: Params, num_train_images: int, train_labels=None,
         rows = memory_rows(params.memory.size, num_train_images, params.train.batch_size)
         check_memory_fits(params.memory.size, rows, params.model.embedding_dim, num_train_images)
         memory_miner = miner if params.memory.mine else None  # memory.mine=false: all pairs against the memory
-        memory = CrossBatchMemory(loss, params.model.embedding_dim, rows, miner=memory_miner,
-                                  moments=build_moments(params), exclude_self=params.memory.exclude_self,
-                                  attach_batch=params.memory.attach_batch, no_positive=params.loss.no_positive,
-                                  center_gradient=params.memory.center_gradient)
+        m = params.memory  # the oracle's memory is XBM's: the trainer re-embeds its rows (training.trainer)
+        memory = cross_batch_memory(
+            loss, params.model.embedding_dim, rows, "xbm" if m.method == "oracle" else m.method, memory_miner,
+            kalman=m.kalman.model_dump(), ema_momentum=m.ema_momentum, innovation_momentum=m.innovation_momentum,
+            exclude_self=m.exclude_self, attach_batch=m.attach_batch, center_gradient=m.center_gradient,
+            no_positive=params.loss.no_positive)
     return Criterion(loss, miner, memory, memory_start_iteration(params, steps), params.memory.add_batch_loss,
                      mpn_loss=build_mpn_loss(params, train_labels), no_positive=params.loss.no_positive)
