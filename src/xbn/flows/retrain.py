@@ -275,6 +275,7 @@ def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None
     # One run per registered model at a time, whatever started it (a deployment run, `xbn retrain`, `xbn run`,
     # `xbn register`; across machines with tracking.lock_uri): a second one refuses to start (RunBusy).
     with pipeline_lock(params, "xbn retrain"):
+        fault_point("retrain.locked")  # the run lock held (tests/pipeline/test_two_runs.py waits here)
         return _retrain(params, params_path, overrides, tune, force)
 
 
