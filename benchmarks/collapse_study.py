@@ -213,6 +213,9 @@ GRID_NOTES = {
                          "pairs against the memory (`xbm_c`) and with every pair (`xbm_c_all`, "
                          "`memory.mine=false`: no negative can be starved), XBN with every pair (`xbn_c_all`), and "
                          "`none`, on Omniglot at batch 16, all at one commit on one machine.",
+    "grid_all_omniglot5": "`grid_all_omniglot.json`'s finding on 5 seeds, on another machine (an AVX2 EPYC) and "
+                          "commit: XBM's memory loss alone with every pair against the memory (centred, "
+                          "`xbm_c_all`) against `none`, on Omniglot at batch 16, all at one commit on one machine.",
 }
 
 
@@ -241,6 +244,7 @@ PROBE_CONTRASTS = {
     "grid_all_omniglot": (("xbm_c_all", "xbm_c", "XBM: every pair against the memory − the miner's"),
                           ("xbn_c_all", "xbm_c_all", "XBN − XBM, both with every pair against the memory")),
     "grid_all_b64": (("xbm_c_all", "xbn*", "XBM's memory loss alone with every pair − the shipped default"),),
+    "grid_all_omniglot5": (),  # its one contrast, against `none`, is the grid table's
 }
 
 

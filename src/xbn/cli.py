@@ -11,8 +11,21 @@ import sys
 import traceback
 from typing import Any, NamedTuple
 
-from xbn.config import ConfigError, Params, load_params
+from xbn import __version__
+from xbn.config import DATASETS, ConfigError, Params, load_params
+from xbn.config.record import resolve_params, write_record
+from xbn.data import DatasetError
+from xbn.data.snapshot import check_versioning
+from xbn.flows import prefect_api
+from xbn.stages.catalogue import check_source, target_version
+from xbn.stages.data import restore_data, snapshot_data
+from xbn.stages.init import init
 from xbn.stages.loop import ORDER as LOOP_ORDER
+from xbn.stages.loop import RepairSteps, repair
+from xbn.stages.names import check_names
+from xbn.stages.notify import notify
+from xbn.stages.prepare import prepare
+from xbn.stages.summary import summary_rows, summary_text
 from xbn.utils.allocator import fix_malloc_thresholds
 from xbn.utils.errors import (
     EXIT_CONFIG,
@@ -80,10 +93,7 @@ def _registry(params: Params, args):
 
 def _retrain(params: Params, args) -> Report | None:
     """The Prefect flow (xbn/flows/retrain.py), from any folder: once now, or serving the weekly schedule."""
-    from xbn.data.snapshot import check_versioning
-
     check_versioning(params)  # before Prefect starts its server: a missing DVC project fails in a second
-    from xbn.flows import prefect_api
     from xbn.flows.retrain import DEFAULT_CRON, retrain
 
     tune = True if args.tune else None
@@ -102,11 +112,8 @@ def _retrain(params: Params, args) -> Report | None:
 
 def _catalogue(params: Params, args) -> dict:
     """The Prefect flow (xbn/flows/catalogue.py): the catalogue embedded on a Dask cluster, indexed, attached."""
-    from xbn.stages.catalogue import check_source, target_version
-
     check_source(params)  # no catalogue, no registry or no champion: fail before Prefect starts
     target_version(params, args.model_version)
-    from xbn.flows import prefect_api
     from xbn.flows.catalogue import catalogue
 
     with prefect_api():
@@ -118,16 +125,12 @@ def _catalogue(params: Params, args) -> dict:
 
 
 def _data(params: Params, args) -> dict:
-    from xbn.stages.data import restore_data, snapshot_data
-
     if args.action == "snapshot":
         return snapshot_data(params)
     return restore_data(params, args.to, version=args.model_version, run_id=args.run)
 
 
 def _stage_prepare(params: Params, args) -> dict:
-    from xbn.stages.prepare import prepare
-
     return prepare(params)
 
 
@@ -203,7 +206,6 @@ def _stage_index(params: Params, args) -> dict:
 
 
 def _search(params: Params, args) -> Report:
-    from xbn.data import DatasetError
     from xbn.serving.search import format_table
     from xbn.stages.serve import search
 
@@ -246,8 +248,6 @@ CHAIN = tuple((name, _STAGE_FNS[name]) for name in LOOP_ORDER)  # the loop's ord
 def _recorded(stage: str, fn, params: Params, args):
     """Run one stage, its params recorded for the run's later stages (reports/params.resolved.yaml) before it
     starts and marked done or failed after; only the main process of a distributed run writes."""
-    from xbn.config.record import write_record
-
     # Not the launcher of a node other than 0 either: on a shared folder it would write the same record.
     main = os.environ.get("RANK") in (None, "0") and getattr(args, "node_rank", None) in (None, 0)
     if main:
@@ -290,13 +290,9 @@ def _repair(params: Params, args) -> None:
     without training before the plan (xbn.stages.loop), each said on stderr and notified. A champion that serves
     the whole catalogue gets its index back from the catalogue flow, as the retrain flow's repair does, not from
     the dataset's gallery (which would serve a fraction of the catalogue, and no check would notice)."""
-    from xbn.stages.loop import RepairSteps, repair
-    from xbn.stages.notify import notify
-
     steps = RepairSteps()
     if params.catalogue.source and params.catalogue.on_promotion:
         def attach_catalogue(_: Params, version: int) -> dict:
-            from xbn.flows import prefect_api
             from xbn.flows.catalogue import catalogue
 
             with prefect_api():
@@ -341,8 +337,6 @@ def _print_result(result: Report | dict, args) -> None:
 
 
 def _summary(params: Params, args) -> Report:
-    from xbn.stages.summary import summary_rows, summary_text
-
     return Report(summary_text(params), {"summary": [{"what": what, "value": value}
                                                      for what, value in summary_rows(params)]})
 
@@ -437,11 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     common, after_action = _common_options(), _common_options(defaults=False)
     parser = argparse.ArgumentParser(prog="xbn", description=__doc__, epilog=EXIT_CODES_HELP,
                                      formatter_class=_GroupedCommands)
-    from xbn import __version__
 
     parser.add_argument("--version", action="version", version=f"xbn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
-    from xbn.config import DATASETS
 
     init = sub.add_parser("init", help="write a params.yaml for a dataset into the current folder (then: xbn run)")
     init.add_argument("--dataset", required=True, choices=DATASETS, help="the dataset's on-disk format")
@@ -596,8 +588,6 @@ RECORD_READERS = STAGE_COMMANDS | {"summary"}
 
 
 def _init(args) -> int:
-    from xbn.stages.init import init
-
     try:
         path = init(args.dataset, args.root, args.overrides, labels_file=args.labels_file, force=args.force)
     except ConfigError as exc:
@@ -623,7 +613,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             args.nodes = _train_nodes(args)
         if args.command in RECORD_READERS:  # the run's own params, not only the params file's
-            from xbn.config.record import resolve_params
 
             # `xbn run` starts a run: nothing before it to agree with.
             stage = "prepare" if args.command == "run" else args.command if args.command in STAGE_COMMANDS else None
@@ -631,13 +620,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             params = load_params(args.params, args.overrides)
         if args.command in RESOLVES_NAMES:
-            from xbn.stages.names import check_names
-
             check_names(params)
     except ConfigError as exc:
         print(f"xbn: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    from xbn.data import DatasetError
 
     exit_codes = (
         # a check that needs more than the schema (e.g. a tune.space bound), or a bad XBN_CPU_BF16

@@ -106,10 +106,10 @@ def test_no_module_imports_from_a_higher_layer(path):
 LIBRARY_PACKAGES = {"torch", "pytorch_metric_learning", "numpy", "__future__"}
 
 
-def third_party_imports(path: Path) -> set[str]:
+def third_party_imports(path: Path, tree: ast.AST | None = None) -> set[str]:
     import sys
 
-    tree = ast.parse(path.read_text())
+    tree = tree if tree is not None else ast.parse(path.read_text())
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level and n.module}
     return {name.split(".")[0] for name in names} - set(sys.stdlib_module_names) - {"xbn"}
@@ -126,16 +126,85 @@ def test_the_memory_library_imports_nothing_of_the_pipeline():
     assert packages <= LIBRARY_PACKAGES, packages - LIBRARY_PACKAGES
 
 
+@cache
+def _runs_at_import(path: Path) -> tuple[frozenset[str], frozenset[str]]:
+    """The xbn modules and the third-party packages `path` imports when it is imported (not inside functions,
+    not under TYPE_CHECKING)."""
+    def at_import(node: ast.AST):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) or (
+                    isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test)):
+                continue
+            yield child
+            yield from at_import(child)
+
+    module = ast.Module(body=[n for n in at_import(ast.parse(path.read_text()))
+                              if isinstance(n, (ast.Import, ast.ImportFrom))], type_ignores=[])
+    own = frozenset(m for m in imports_of(path, typing_only=False) if _imported_at_top(module, m))
+    return own, frozenset(third_party_imports(path, module))
+
+
+@cache
+def top_level_closure(start: str) -> frozenset[str]:
+    """The third-party packages that importing `start` loads at once, through every xbn module it runs."""
+    seen: set[Path] = set()
+    packages: set[str] = set()
+    todo = [start]
+    while todo:
+        parts = todo.pop().split(".")
+        for i in range(1, len(parts) + 1):
+            path = module_file(".".join(parts[:i]))
+            if path is None or path in seen:
+                continue
+            seen.add(path)
+            own, third = _runs_at_import(path)
+            packages |= third
+            todo.extend(own)
+    return frozenset(packages)
+
+
+def _imported(node: ast.ImportFrom) -> set[str]:
+    """The modules `from X import a, b` runs: X, and X.a where that is a module of its own."""
+    return {node.module or ""} | {f"{node.module}.{a.name}" for a in node.names if module_file(f"{node.module}.{a.name}")}
+
+
+def _imported_at_top(module: ast.Module, name: str) -> bool:
+    return any(any(a.name == name for a in n.names) if isinstance(n, ast.Import) else
+               (n.module == name or any(f"{n.module}.{a.name}" == name for a in n.names)) for n in module.body)
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(SRC)))
+def test_xbn_modules_are_imported_at_the_top_unless_they_bring_a_package(path):
+    """An xbn module imported inside a function must bring a package that this module does not load already
+    (torch, MLflow, Prefect, faiss, onnx...: heavy, or an extra's): the one reason to defer it. Anything else
+    goes to the top of the file, where a reader sees what the module depends on."""
+    me = module_name(path)
+    mine = top_level_closure(me)
+    tree = ast.parse(path.read_text())
+    deferred = {n for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                for n in ast.walk(f) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("xbn")}
+    needless = sorted((n.lineno, n.module) for n in deferred
+                      if not set().union(*(top_level_closure(m) for m in _imported(n))) - mine)
+    assert not needless, f"{me}: these bring no package it lacks, so belong at the top: {needless}"
+
+
 def stage_entries() -> dict[str, set[str]]:
     """Each `xbn <command>` of dvc.yaml: the xbn modules its CLI handler imports."""
     tree = ast.parse((SRC / "xbn" / "cli.py").read_text())
     handlers = {node.name.removeprefix("_stage_"): node for node in tree.body
                 if isinstance(node, ast.FunctionDef) and node.name.startswith("_stage_")}
+    module_of = {alias.asname or alias.name: (f"{node.module}.{alias.name}" if module_file(f"{node.module}.{alias.name}")
+                                              else node.module)
+                 for node in tree.body if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("xbn")
+                 for alias in node.names}
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     entries = {}
     for stage, spec in stages.items():
         command = spec["cmd"].split()[1]
         imported = {n.module for n in ast.walk(handlers[command]) if isinstance(n, ast.ImportFrom)}
+        used = {n.id for statement in handlers[command].body for n in ast.walk(statement)  # names from cli's top
+                if isinstance(n, ast.Name)}
+        imported |= {module_of[name] for name in used if name in module_of}
         entries[stage] = {m for m in imported if m and m.startswith("xbn")}
     return entries
 

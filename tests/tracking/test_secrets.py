@@ -129,7 +129,7 @@ def test_an_mlflow_call_failing_with_the_password_in_its_url_prints_it_masked(ha
     def fails(*args, **kwargs):
         raise RuntimeError(f"nothing xbn names, at postgresql://xbn:{SECRET}@db/mlflow")
 
-    monkeypatch.setattr("xbn.stages.summary.summary_text", fails)
+    monkeypatch.setattr("xbn.cli.summary_text", fails)
     assert main(["summary", "--set", "tracking.enabled=false"]) == EXIT_FAILURE
     err = capsys.readouterr().err
     assert "Traceback" in err and "postgresql://xbn:***@db/mlflow" in err and SECRET not in err

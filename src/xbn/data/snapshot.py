@@ -33,6 +33,7 @@ from typing import Any
 import pandas as pd
 
 from xbn.config import ConfigError, Params
+from xbn.data.dvc_files import repair_dvc_files
 from xbn.data.errors import DatasetError
 from xbn.data.manifest import read_manifest
 from xbn.utils.errors import ServiceUnavailableError
@@ -243,7 +244,6 @@ def _project(data_root: str | Path | None = None) -> Iterator[Any]:
     from dvc.exceptions import NotDvcRepoError
     from dvc.repo import Repo
 
-    from xbn.data.dvc_files import repair_dvc_files
 
     try:
         root = Repo.find_root()

@@ -37,7 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xbn.evaluation.inference import probe_images
 from xbn.utils.cache import cache_root
+from xbn.utils.errors import EnvironmentSettingError
+from xbn.utils.runtime import synchronize
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +59,6 @@ FORCE_ENV = "XBN_ONNXRUNTIME"
 
 def forced_onnxruntime() -> bool | None:
     """`XBN_ONNXRUNTIME`: True/False when set to 1/0, None when unset; anything else is an error naming it."""
-    from xbn.utils.errors import EnvironmentSettingError
-
     value = os.environ.get(FORCE_ENV, "").strip()
     if not value:
         return None
@@ -214,8 +215,6 @@ def _race(images: torch.Tensor, pixels: np.ndarray, network: nn.Module,
           engine: OnnxEngine) -> tuple[dict[str, Any], dict[str, float]]:
     """Both engines' outputs on one batch (torch as the caller runs it, e.g. under bf16 autocast or compiled,
     and in float32 for the parity) and their best images/s over `ROUNDS` rounds after an untimed one."""
-    from xbn.utils.runtime import synchronize
-
     device = images.device
     outputs: dict[str, Any] = {}
     best = {"torch": float("inf"), "onnxruntime": float("inf")}
@@ -314,7 +313,6 @@ def cached_graph(served, threads: int | None = None) -> tuple[Path, Any]:
 def check_export(served, path: Path) -> None:
     """The exported graph against torch float32 on two smooth synthetic images: a graph that disagrees is
     deleted, never cached."""
-    from xbn.evaluation.inference import probe_images
     from xbn.evaluation.onnx_export import ParityError
 
     images = probe_images(2, served.image_size, torch.device("cpu"))

@@ -32,7 +32,8 @@ from prefect.futures import as_completed
 
 from xbn.config import ConfigError, Params, load_params
 from xbn.flows.tasks import TASK_OPTIONS
-from xbn.stages.catalogue import CataloguePlan, Shard
+from xbn.stages.catalogue import CataloguePlan, Shard, plan, publish
+from xbn.stages.catalogue import embed_shard as embed
 
 SCHEDULER_ENV = "DASK_SCHEDULER_ADDRESS"
 
@@ -81,15 +82,11 @@ def for_workers(params: Params) -> Params:
 
 @task(**TASK_OPTIONS)
 def plan_catalogue(params: Params, version: int | None) -> CataloguePlan:
-    from xbn.stages.catalogue import plan
-
     return plan(params, version)
 
 
 @task(**TASK_OPTIONS)
 def embed_shard(params: Params, version: int, shard: Shard) -> dict:
-    from xbn.stages.catalogue import embed_shard as embed
-
     report = embed(params, version, shard)
     try:
         from distributed import get_worker
@@ -102,8 +99,6 @@ def embed_shard(params: Params, version: int, shard: Shard) -> dict:
 
 @task(**TASK_OPTIONS)
 def publish_index(params: Params, planned: CataloguePlan) -> dict:
-    from xbn.stages.catalogue import publish
-
     return publish(params, planned)
 
 

@@ -38,12 +38,20 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run, task_run
 
-from xbn.config import ConfigError, Params, load_params
+from xbn.config import ConfigError, Params, flatten, load_params
+from xbn.config.record import write_record
+from xbn.data.snapshot import DataSnapshot, check_versioning
 from xbn.flows.catalogue import catalogue as catalogue_flow
 from xbn.flows.tasks import TASK_OPTIONS
+from xbn.stages.data import snapshot_data as snapshot
+from xbn.stages.loop import RepairSteps, repair
 from xbn.stages.names import load_checked
+from xbn.stages.notify import notify
+from xbn.stages.prepare import prepare
+from xbn.stages.summary import summary_markdown
 from xbn.utils.allocator import fix_malloc_thresholds
 from xbn.utils.faults import fault_point
+from xbn.utils.locks import RunBusy
 
 DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00
 
@@ -51,8 +59,6 @@ DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00
 def _recorded(stage: str, params: Params, run):
     """Run a stage with its params recorded as `xbn run` records them (reports/params.resolved.yaml: running,
     then done or failed), so that `xbn summary` and the summary artifact read this run's files only."""
-    from xbn.config.record import write_record
-
     write_record(params, stage, "running", None, None)
     try:
         result = run(params)
@@ -66,15 +72,11 @@ def _recorded(stage: str, params: Params, run):
 
 @task(**TASK_OPTIONS)
 def prepare_data(params: Params) -> dict:
-    from xbn.stages.prepare import prepare
-
     return _recorded("prepare", params, prepare)
 
 
 @task(**TASK_OPTIONS)
 def snapshot_data(params: Params) -> dict:
-    from xbn.stages.data import snapshot_data as snapshot
-
     return snapshot(params)  # DVC add + push: the fingerprint the plan compares, restorable later
 
 
@@ -123,7 +125,6 @@ def index_champion(params: Params, version: int) -> dict:
 
 @task(**TASK_OPTIONS)
 def plan_retraining(params: Params, data: dict, force: bool) -> dict:
-    from xbn.data.snapshot import DataSnapshot
     from xbn.stages.schedule import plan
 
     return plan(params, DataSnapshot(**data), force=force).as_dict()
@@ -215,8 +216,6 @@ def _notify_failure(flow, flow_run, state) -> None:
 
 
 def _refused(state) -> bool:
-    from xbn.utils.locks import RunBusy
-
     try:
         return isinstance(state.result(raise_on_failure=False), RunBusy)
     except Exception:  # noqa: BLE001 - a result that cannot be read back: only the message can tell
@@ -231,8 +230,6 @@ def _notify_crash(flow, flow_run, state) -> None:
 
 
 def _notify_end(run, state, word: str, what: str) -> None:
-    from xbn.stages.notify import notify
-
     parameters = run.parameters or {}
     try:
         params = load_params(parameters.get("params_path", "params.yaml"), parameters.get("overrides") or [])
@@ -265,7 +262,6 @@ def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None
         from xbn.tracking.services import check_reachable
 
         check_reachable(tracking_uri(params))  # a store that is down fails the flow now, not after training
-    from xbn.data.snapshot import check_versioning
 
     check_versioning(params)  # no DVC project or remote for the data's snapshot: fail now, with the way out
     if not params.tracking.enabled:
@@ -286,9 +282,6 @@ def _retrain(params: Params, params_path: str, overrides: list[str], tune: bool 
     if params.tracking.enabled:
         # Before "nothing changed": what a killed or failed run left behind is repaired first, without training
         # (xbn.stages.loop, shared with `xbn run`; here each step is a task, retried).
-        from xbn.stages.loop import RepairSteps, repair
-        from xbn.stages.notify import notify
-
         steps = RepairSteps(interrupted=interrupted_registrations, complete=complete_registration,
                             registration=registration_of, check_index=check_champion_index,
                             attach_index=lambda p, version: _attach_index(p, params_path, overrides, version),
@@ -355,8 +348,6 @@ def _attach_index(params: Params, params_path: str, overrides: list[str], versio
 
 def _train_to_registry(params: Params, tuned: dict, decision: dict, loaded_from: tuple[str, list[str]]) -> dict:
     """`loaded_from`: the params file and overrides `params` came from (the catalogue flow loads them again)."""
-    from xbn.stages.summary import summary_markdown
-
     logger = get_run_logger()
     train_model(params)
     fault_point("retrain.after_train")
@@ -399,8 +390,6 @@ def _train_to_registry(params: Params, tuned: dict, decision: dict, loaded_from:
 def _gate_overrides(params: Params, params_path: str) -> list[str]:
     """The registry.* settings this run's overrides changed from the params file: anyone who can start the
     deployment can pass registry.confidence=0.01 or an empty guarded_metrics, and a reviewer must hear of it."""
-    from xbn.config import flatten
-
     try:
         base = flatten(load_params(params_path).registry, "registry.")
     except (ConfigError, OSError):
@@ -412,8 +401,6 @@ def _gate_overrides(params: Params, params_path: str) -> list[str]:
 def _notify_decision(params: Params, registered: dict, metrics: dict, decision: dict,
                      gate_overrides: list[str] | None = None) -> None:
     """A promotion, or a challenger held for a person's review (the gate did not promote it)."""
-    from xbn.stages.notify import notify
-
     version, verdict = registered["version"], registered["decision"]
     if verdict == "promoted" and registered.get("registration") == "awaiting_index":
         title = f"xbn: v{version} promoted by the gate, not champion yet: its index is not attached"

@@ -20,6 +20,8 @@ import torch
 from timm.data import resolve_model_data_config
 from torch import nn
 
+from xbn.config import ConfigError, close_matches
+
 Pretrained = Literal["offline", "timm", "none"]
 
 
@@ -89,8 +91,6 @@ def create_backbone(
 def check_backbone(name: str, pretrained: Pretrained = "offline", pretrained_path: str | None = None) -> None:
     """A ConfigError naming model.backbone unless timm has a model `name` (a `name.tag` of pretrained weights
     included), listing timm's close matches; naming model.pretrained when `offline` has no weights for it."""
-    from xbn.config import ConfigError, close_matches
-
     if not timm.is_model(name):
         matches = close_matches(name, timm.list_models())
         hint = f"close matches: {', '.join(matches)}" if matches else "see timm.list_models()"

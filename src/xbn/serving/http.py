@@ -50,6 +50,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from xbn.config import ConfigError, ServeConfig
 from xbn.data.images import decode, open_image
+from xbn.evaluation.engine import forced_onnxruntime
 from xbn.serving.index import CatalogueIndex
 from xbn.serving.limits import RETRY_AFTER_S, Busy, Limits, PixelBudget
 from xbn.serving.model import ServedModel, UnreadableImage, load_served_model
@@ -194,8 +195,6 @@ class RegistryModelSource:
     def _onnx_graph(self, info: Any) -> Path | None:
         """The version's own ONNX graph (sha256-verified against its tag) when `inference.engine` may run
         ONNX Runtime on the CPU; None (a graph is exported and cached instead) when it has none."""
-        from xbn.evaluation.engine import forced_onnxruntime
-
         fetch = getattr(self.registry, "fetch_onnx", None)
         engine = self.inference.get("engine", "auto")
         if (fetch is None or engine == "torch" or self.device != "cpu"

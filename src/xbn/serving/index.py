@@ -39,6 +39,7 @@ from xbn.config.schema import IndexType
 from xbn.evaluation.knn import as_float32_matrix, knn_search
 from xbn.serving.mapped_refine import MappedRefine, StoreMismatch, open_store
 from xbn.serving.model import ServedModel
+from xbn.serving.sources import read_source
 from xbn.utils.errors import IntegrityError
 from xbn.utils.faults import fault_point
 from xbn.utils.integrity import verify_listed
@@ -514,8 +515,6 @@ def index_source(
 ) -> CatalogueIndex:
     """What `xbn index [--append]` does: embed `cfg.source` with `model`, build (or, with `append`, extend
     the index at `cfg.output` without re-embedding what it holds) and save it to `cfg.output`."""
-    from xbn.serving.sources import read_source
-
     frame, root = read_source(cfg.source, manifest=manifest, root=root)
     if append and (Path(cfg.output) / META_FILE).exists():
         catalogue = CatalogueIndex.load(cfg.output)

@@ -47,6 +47,7 @@ from xbn.data.errors import DatasetError
 from xbn.serving.sources import is_remote, read_source, rows_digest
 from xbn.utils.allocator import fix_malloc_thresholds
 from xbn.utils.errors import IntegrityError, RegistryError
+from xbn.utils.integrity import verify_listed
 from xbn.utils.io import atomic_path, file_digest, write_json
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,6 @@ def _folder_problem(folder: Path) -> str | None:
     """Why the index in `folder` must not be re-used (None: every file its index.json lists has the sha256 it
     records): renamed into place whole, but anything on this disk may have changed it since."""
     from xbn.serving.index import META_FILE
-    from xbn.utils.integrity import verify_listed
 
     try:
         digests = json.loads((folder / META_FILE).read_text())["sha256"]

@@ -25,7 +25,7 @@ import pandas as pd
 
 from xbn.config import Params
 from xbn.data.snapshot import diff_files, diff_line
-from xbn.utils.io import write_json, write_text
+from xbn.utils.io import file_digest, write_json, write_text
 
 log = logging.getLogger(__name__)
 MIN_SAMPLE = 8  # fewer new images than this: no two-sample test (it could not reject anything)
@@ -95,7 +95,6 @@ def _embed(params: Params, checkpoint: str | Path, old: pd.DataFrame, new: pd.Da
     from xbn.evaluation.inference import inference_mode
     from xbn.evaluation.served import model_engine
     from xbn.models import load_embedder
-    from xbn.utils.io import file_digest
 
     model, data_config, _ = load_embedder(checkpoint, map_location="cpu", verify=False)  # checked on download
     mode = inference_mode(params, model, torch.device("cpu"))

@@ -7,11 +7,14 @@ from pathlib import Path
 
 from xbn.config import Params
 from xbn.data import read_manifest
-from xbn.evaluation.embed import evaluate_split
+from xbn.evaluation.embed import embed_split, evaluate_split, retrieval_protocol
 from xbn.evaluation.engine import engined, settled_choice
 from xbn.evaluation.inference import inference_mode
+from xbn.evaluation.mpn_rerank import mpn_retrieval_metrics
 from xbn.evaluation.served import model_engine
 from xbn.models import build_embedder, load_embedder
+from xbn.models.mpn import load_mpn
+from xbn.stages.refine import evaluate_refined
 from xbn.utils.io import file_digest, write_csv, write_json
 from xbn.utils.runtime import resolve_device, seed_everything
 
@@ -55,7 +58,6 @@ def evaluate(params: Params) -> dict:
                                 r_lab)
     if params.model.mpn.test_time:  # Intra-Batch's ablation: the MPN at test time, next to the plain metrics
         metrics["mpn"] = _mpn_metrics(params, device, q_emb, q_lab, r_emb, r_lab)
-    from xbn.stages.refine import evaluate_refined
 
     # Seed 001, Algorithm 2: refined queries against refined references (same metric names), when the refiner is on.
     if (refined := evaluate_refined(params, q_emb, q_lab, r_emb, r_lab, path, device)) is not None:
@@ -83,7 +85,6 @@ def _embedding_space(params: Params, model, manifest, data_config, device, mode,
     from the training split's embeddings and the evaluated split's; returns the training spectrum's rows."""
     if not params.eval.embedding_space:
         return []
-    from xbn.evaluation.embed import embed_split
     from xbn.evaluation.embedding_space import embedding_space_metrics, spectrum_rows
 
     train_emb, train_lab = embed_split(
@@ -100,9 +101,6 @@ def _embedding_space(params: Params, model, manifest, data_config, device, mode,
 def _mpn_metrics(params: Params, device, q_emb, q_lab, r_emb, r_lab) -> dict:
     """Retrieval metrics after the trained MPN (`models/mpn.pt`) refines each embedding over its expanded
     k-reciprocal neighbourhood (`model.mpn.test_k`), test_size nodes (null: the training batch's)."""
-    from xbn.evaluation.mpn_rerank import mpn_retrieval_metrics
-    from xbn.models.mpn import load_mpn
-
     mpn = load_mpn(Path(params.train.checkpoint_dir) / "mpn.pt", map_location=device)
     cfg = params.model.mpn
     return mpn_retrieval_metrics(mpn, q_emb, q_lab, r_emb, r_lab, k=cfg.test_k,
@@ -111,7 +109,6 @@ def _mpn_metrics(params: Params, device, q_emb, q_lab, r_emb, r_lab) -> dict:
 
 
 def _track(params: Params, manifest, query_embeddings, reference_embeddings) -> None:
-    from xbn.evaluation.embed import retrieval_protocol
     from xbn.tracking import RETRIEVAL_GRID, log_evaluation, pipeline_run, retrieval_grid_from_embeddings
 
     queries, references = retrieval_protocol(manifest, params.eval.split)

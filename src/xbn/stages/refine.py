@@ -46,6 +46,7 @@ from xbn.evaluation.embed import embed, embed_protocol, image_loader
 from xbn.evaluation.inference import inference_mode
 from xbn.evaluation.knn import knn_search
 from xbn.evaluation.metrics import retrieval_metrics
+from xbn.models import load_embedder
 from xbn.models.refiner import ContextRefiner, load_refiner, save_refiner
 from xbn.utils.io import file_digest, write_json
 from xbn.utils.runtime import resolve_device, seed_everything
@@ -65,7 +66,6 @@ def refine(params: Params) -> dict:
     model_path = Path(params.train.checkpoint_dir) / "model.pt"
     if not model_path.exists():
         raise FileNotFoundError(f"no trained model at {model_path}: run `xbn train` first")
-    from xbn.models import load_embedder
 
     device = resolve_device(params.train.device)
     model, data_config, _ = load_embedder(model_path, map_location=device)

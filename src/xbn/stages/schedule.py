@@ -22,8 +22,11 @@ from typing import Any
 import pandas as pd
 
 from xbn.config import ConfigError, Params
-from xbn.data.snapshot import DATA_FILES, DataSnapshot
+from xbn.data.snapshot import DATA_FILES, DataSnapshot, snapshot
+from xbn.stages.drift import drift_report
 from xbn.stages.promotion import CHAMPION
+from xbn.tracking import Registry, params_hash
+from xbn.utils.errors import ServiceUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +49,11 @@ class Plan:
 def request_hash(params: Params) -> str:
     """The params as requested, hashed as every params hash is (`params_hash`): before the flow chooses
     train.init or tunes, so that it compares with the champion's `params_hash` for a version without the tag."""
-    from xbn.tracking import params_hash
-
     return params_hash(params)
 
 
 def plan(params: Params, data: DataSnapshot, force: bool = False) -> Plan:
     """Decide for `params` (as requested, before train.init is chosen) and the data snapshot just taken."""
-    from xbn.tracking import Registry
-
     requested = request_hash(params)
     registry = Registry(params)
     champion = registry.by_alias(CHAMPION)
@@ -104,10 +103,6 @@ def unchanged_since_champion(params: Params) -> str | None:
     registers carries its `data_md5`), then the reason line when the data and the params equal the champion's,
     else None. Where the data cannot be versioned (no DVC project, no remote, data.version: none) whether it
     changed is unknown: None, with a line saying so."""
-    from xbn.data.snapshot import snapshot
-    from xbn.tracking import Registry
-    from xbn.utils.errors import ServiceUnavailableError
-
     if not params.tracking.enabled or params.data.version == "none":
         return None
     try:
@@ -123,8 +118,6 @@ def unchanged_since_champion(params: Params) -> str | None:
 
 
 def _drift(params: Params, registry, champion, checkpoint: Path, tmp: Path) -> dict[str, Any] | None:
-    from xbn.stages.drift import drift_report
-
     recorded = registry.data_snapshot(champion.run_id, tmp / "data")
     if recorded is None:
         log.warning("champion v%d recorded no data snapshot: no drift report", champion.version)

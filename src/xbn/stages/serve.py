@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from xbn.config import ConfigError, Params
-from xbn.serving.http import Loaded, LocalModelSource, RegistryModelSource
-from xbn.serving.model import ServedModel
+from xbn.serving.http import Loaded, LocalModelSource, RegistryModelSource, create_app
+from xbn.serving.http import serve as run_server
+from xbn.serving.model import ServedModel, load_served_model
+from xbn.serving.search import search_images
+from xbn.serving.sources import source_root
 from xbn.utils.errors import RegistryError
 from xbn.utils.runtime import resolve_device
 
@@ -73,8 +76,6 @@ def load_model(params: Params, version: int | None = None, local: bool = False) 
     """Only the model (the batch embedding job needs no index)."""
     source = model_source(params, version, local)
     if isinstance(source, LocalModelSource):
-        from xbn.serving.model import load_served_model
-
         if not source.model_path.exists():
             raise FileNotFoundError(f"no trained model at {source.model_path}: run `xbn train` first")
         return load_served_model(source.model_path, source.image_size, source.device, **source.inference)
@@ -86,8 +87,6 @@ def search(params: Params, images: list[str], k: int | None = None, *, version: 
            local: bool = False) -> tuple[list[dict[str, Any]], Loaded]:
     """Each image's top-k catalogue items (`xbn.serving.search.search_images`); an unreadable image gets an
     entry with its error and the others still answer."""
-    from xbn.serving.search import search_images
-
     k = k or params.serve.default_k
     if k > params.serve.max_k:
         raise ConfigError(f"--k {k} exceeds serve.max_k ({params.serve.max_k})")
@@ -101,8 +100,6 @@ def serve(params: Params, host: str | None = None, port: int | None = None, *, v
           local: bool = False) -> None:
     """Run the HTTP endpoint until interrupted; it follows `serve.alias` (polling every
     `serve.poll_interval_s`, and on SIGHUP) unless a version or the local model is named."""
-    from xbn.serving.http import serve as run_server
-
     app = serving_app(params, version=version, local=local)
     run_server(app, host or params.serve.host, params.serve.port if port is None else port)
 
@@ -111,9 +108,6 @@ def serving_app(params: Params, *, version: int | None = None, local: bool = Fal
     """The app `xbn serve` runs (`token`: as `create_app`'s, by default from the environment). Following the
     registry's alias, it also loads the challenger (when there is one) for the page's side-by-side review
     (`POST /compare`)."""
-    from xbn.serving.http import create_app
-    from xbn.serving.sources import source_root
-
     source = model_source(params, version, local, long_running=True)
     _require_version(source)
     challenger = None

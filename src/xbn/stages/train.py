@@ -14,10 +14,12 @@ import socket
 from pathlib import Path
 
 from xbn.config import ConfigError, Params
-from xbn.models import InitialWeights
+from xbn.models import InitialWeights, load_embedder
 from xbn.training import EpochCallback, fit
 from xbn.training.replicas import check_ranks_agree
 from xbn.utils import distributed
+from xbn.utils.integrity import verify_sidecar
+from xbn.utils.io import file_digest
 from xbn.utils.runtime import resolve_device
 
 log = logging.getLogger(__name__)
@@ -45,8 +47,6 @@ class TrainingResult(dict):
 
     def load_model(self, device: str = "cpu"):
         """The selected epoch's `Embedder` (eval mode), checked against its sha256 sidecar."""
-        from xbn.models import load_embedder
-
         return load_embedder(self.model_path, map_location=device)[0]
 
 
@@ -83,9 +83,6 @@ def initial_weights(params: Params) -> InitialWeights | None:
     champion (verified against its version's `model_sha256` tag, as serving does); or an xbn model.pt (against
     its sidecar). A ConfigError when there is none, or when its backbone or embedding size differs from the
     params'."""
-    from xbn.utils.integrity import verify_sidecar
-    from xbn.utils.io import file_digest
-
     init = params.train.init
     if init == "pretrained":
         return None

@@ -33,6 +33,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from xbn.config.errors import ConfigError
+from xbn.tracking.runs import tracking_uri
 from xbn.utils.locks import HELD_RUN_LOCKS, Held, LockTimeout, RunBusy, advisory_key, advisory_lock, file_lock
 from xbn.utils.secrets import mask_secrets
 
@@ -97,8 +98,6 @@ def held_run_locks() -> tuple[Held, ...]:
 
 def pipeline_lock(params, what: str):
     """`run_lock` for a run of `params` (its store, model, `tracking.run_wait_s` and `tracking.lock_uri`)."""
-    from xbn.tracking.runs import tracking_uri
-
     t = params.tracking
     return run_lock(tracking_uri(params), params.registry.model_name, what, t.run_wait_s, t.lock_uri)
 

@@ -44,6 +44,9 @@ from mlflow.pyfunc.model import PythonModel  # where it is defined: mlflow.pyfun
 from mlflow.types import ColSpec, DataType, Schema
 from mlflow.types.schema import Array
 
+from xbn.data.images import open_rgb
+from xbn.utils.integrity import verify_file
+
 CHECKPOINT_ARTIFACT = "checkpoint"
 SHA_TAG = "model_sha256"  # the registered version's tag holding the checkpoint's sha256 (`xbn.tracking.registry`)
 # The checkpoint's sha256 at logging time, in the model's `model_config`: load_context refuses other bytes.
@@ -78,7 +81,6 @@ class EmbedderModel(PythonModel):
 
         from xbn.evaluation.served import served
         from xbn.models import load_embedder
-        from xbn.utils.integrity import verify_file
 
         checkpoint = context.artifacts[CHECKPOINT_ARTIFACT]
         model_dir = Path(checkpoint).parents[1]
@@ -159,8 +161,6 @@ class EmbedderModel(PythonModel):
 
     def _image(self, data: Any, path: Any):
         """A row's image as RGB: from its bytes, or from its path (not both)."""
-        from xbn.data.images import open_rgb
-
         has_data, has_path = not _missing(data), not _missing(path)
         if has_data and has_path:
             raise RowError(f"give '{IMAGE}' or '{PATH}', not both")

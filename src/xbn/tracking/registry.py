@@ -35,9 +35,10 @@ from mlflow.tracking import MlflowClient
 from xbn.config import Params
 from xbn.data.snapshot import DATA_FILES, DATA_RECORD
 from xbn.tracking.fingerprints import file_digest
-from xbn.tracking.locks import DEFAULT_TIMEOUT_S, registry_lock
+from xbn.tracking.locks import DEFAULT_TIMEOUT_S, held_run_locks, registry_lock
 from xbn.tracking.pyfunc import CHECKPOINT_ARTIFACT, SHA_TAG
 from xbn.tracking.runs import DATA_ARTIFACTS, PipelineRun, configure, metric_key, metric_name
+from xbn.tracking.services import wait_reachable
 from xbn.utils.errors import IntegrityError
 from xbn.utils.faults import fault_point
 from xbn.utils.integrity import verify_file, verify_listed, write_sidecar
@@ -164,8 +165,6 @@ class Registry:
         """Raise `LockLost` if the registry lock this object holds (inside `lock()`), or the run lock this process
         holds (`xbn.tracking.locks.run_lock`), is gone: a run whose lock died with its database connection, and
         could not be taken back, stops before it writes."""
-        from xbn.tracking.locks import held_run_locks
-
         for held in (*held_run_locks(), *([self._held] if self._held is not None else [])):
             held.check()
 
@@ -233,7 +232,6 @@ class Registry:
         except MlflowException as exc:
             if not sha or exc.error_code not in _LOST_ANSWER:
                 raise
-            from xbn.tracking.services import wait_reachable
 
             # MLflow's message holds the request's URL, with the tracking URI's credentials: masked.
             log.warning("%s: the answer to registering %s was lost (%s): looking it up before asking again",

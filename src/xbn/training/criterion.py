@@ -5,7 +5,6 @@ ranks under data parallelism."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,14 +14,13 @@ from torch import nn
 from xbn.config import ConfigError, Params
 from xbn.losses import build_loss, build_miner
 from xbn.losses.memvir import MemVir
+from xbn.losses.mpn import IntraBatchLoss
 from xbn.losses.rho import RhoRegularizedMiner
 from xbn.memory import CrossBatchMemory, cross_batch_memory
 from xbn.memory.positives import MINING_COUNTS, needs_positive, with_positive
+from xbn.models.mpn import MessagePassingNetwork
 from xbn.training.figures import StepFigures
 from xbn.utils import distributed
-
-if TYPE_CHECKING:
-    from xbn.losses.mpn import IntraBatchLoss
 
 __all__ = ["Criterion", "available_memory", "build_criterion", "build_mpn_loss",
            "check_memory_fits", "memory_rows", "memory_start_iteration"]
@@ -175,9 +173,6 @@ def memory_start_iteration(params: Params, steps_per_epoch: int) -> int:
 
 def build_mpn_loss(params: Params, train_labels) -> IntraBatchLoss | None:
     """The Intra-Batch loss of `model.mpn` (nulls: the paper's setting for the dataset), or None."""
-    from xbn.losses.mpn import IntraBatchLoss
-    from xbn.models.mpn import MessagePassingNetwork
-
     cfg = params.model.mpn.resolved(params.data.dataset)
     if not cfg.enabled:
         return None

@@ -42,6 +42,7 @@ from xbn.data.cache import prepare as prepare_cache
 from xbn.data.dataset import collate_skipping, loader_worker_init
 from xbn.data.loading import QUEUED_BATCHES, loader_options, resolve_num_workers
 from xbn.data.samplers import build_batch_sampler
+from xbn.data.snapshot import current_record
 from xbn.evaluation.embed import autocast, evaluate_split, image_loader
 from xbn.evaluation.embed import embed as embed_images
 from xbn.evaluation.inference import InferenceMode
@@ -238,8 +239,6 @@ class Trainer:
             return images
         record = None
         if self.is_main:
-            from xbn.data.snapshot import current_record
-
             found = current_record(p) if p.data.version == "dvc" else None
             record = prepare_cache(images, p.data.image_size, p.data.cache, p.data.cache_max_gb,
                                    found.md5 if found is not None else None, threads=max(1, self.num_workers + 1))

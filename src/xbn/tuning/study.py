@@ -39,6 +39,7 @@ from optuna.trial import TrialState
 from xbn.config import ConfigError, Params, flatten, load_params
 from xbn.tuning.space import SearchSpace, as_overrides
 from xbn.tuning.storage import StorageSpec, open_storage, study_lock
+from xbn.utils.errors import NonFiniteLossError
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +183,6 @@ def run_worker(session: StudySession, objective: Objective | Callable[[optuna.Tr
     """Run trials until the study has `trials` of them (or `timeout_s` passed); returns how many ran here.
     Trials whose configuration diverges (non-finite loss) or runs out of memory fail and the study goes on;
     any other error marks the trial failed and stops this worker."""
-    from xbn.utils.errors import NonFiniteLossError
-
     catch: tuple[type[Exception], ...] = (NonFiniteLossError, _out_of_memory())
     study, deadline, ran = session.study, None if timeout_s is None else time.monotonic() + timeout_s, 0
     while deadline is None or time.monotonic() < deadline:
