@@ -10,6 +10,10 @@ from xbn.data import carve_validation, read_dataset, write_manifest
 
 log = logging.getLogger(__name__)
 
+# Fewer validation classes than this and the model is picked on noise: a random embedding already finds a
+# same-class neighbour for most images, and val R@1 reaches 1.0 within an epoch or two (seen with 2 classes).
+MIN_VAL_CLASSES = 5
+
 
 def prepare(params: Params) -> dict:
     """Write `data.manifest` from the dataset at `data.root`. The previous manifest is removed first, so a
@@ -35,4 +39,10 @@ def prepare(params: Params) -> dict:
         for split, part in frame.groupby("split")
     }
     log.info("wrote %s: %s", d.manifest, summary)
+    val_classes = summary.get("val", {}).get("classes", 0)
+    if 0 < val_classes < MIN_VAL_CLASSES:
+        log.warning("validation has %d classes (data.val_classes=%g of %d): the best epoch is chosen on its R@1, "
+                    "which %d classes cannot tell apart; raise data.val_classes or add classes (at least %d)",
+                    val_classes, d.val_classes, val_classes + summary.get("train", {}).get("classes", 0),
+                    val_classes, MIN_VAL_CLASSES)
     return summary
