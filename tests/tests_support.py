@@ -21,6 +21,18 @@ TINY = [
 ]
 
 
+def write_tiny_params(path: Path, *overrides: str) -> Path:
+    """The shipped params.yaml with TINY and `overrides` applied (`xbn.config.apply_overrides`, as `--set`
+    does), written to `path`: a project a subprocess runs `xbn` in."""
+    import yaml
+
+    from xbn.config import apply_overrides
+
+    raw = apply_overrides(yaml.safe_load((ROOT / "params.yaml").read_text()), [*TINY, *overrides])
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
 def brute_force_recall_at_1(embeddings, labels) -> float:
     """Leave-one-out R@1 by cosine similarity, written out in full (no faiss, no chunking): does each item's
     nearest other item share its label; items whose label occurs once have no answer and are left out.

@@ -3,6 +3,8 @@ the training loop's keys are refused with what to do instead, and the pipeline b
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from pytorch_metric_learning import losses, miners
@@ -43,6 +45,17 @@ def test_every_keyword_reaches_the_memory():
     assert isinstance(built.miner, miners.PairMarginMiner)
     assert memory(method="ema", ema_momentum=0.3).moments.momentum == 0.3
     assert memory(method="axbn_auto", innovation_momentum=0.2).moments.innovation_momentum == 0.2
+
+
+def test_the_librarys_defaults_are_the_pipelines():
+    # Written twice by the layering (xbn.memory imports nothing of the params schema): kept equal here.
+    from xbn.config.schema import KalmanConfig, LossConfig, MemoryConfig
+
+    defaults = inspect.signature(cross_batch_memory).parameters
+    shared = ("ema_momentum", "innovation_momentum", "exclude_self", "attach_batch", "center_gradient")
+    assert {name: defaults[name].default for name in shared} == MemoryConfig().model_dump(include=set(shared))
+    assert KALMAN == KalmanConfig().model_dump()
+    assert defaults["no_positive"].default == LossConfig().no_positive
 
 
 @pytest.mark.parametrize("key", sorted(LOOP_KEYS))

@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests_support import ROOT, TINY, recomputed_recall_at_1
+from tests_support import ROOT, recomputed_recall_at_1, write_tiny_params
 
 pytestmark = pytest.mark.slow
 
@@ -22,24 +21,12 @@ def run(cmd, cwd, env):
     return out.stdout + out.stderr
 
 
-def tiny_params_file(path: Path) -> None:
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    for item in [*TINY, "tracking.enabled=true"]:
-        key, value = item.split("=", 1)
-        *sections, leaf = key.split(".")
-        node = params
-        for s in sections:
-            node = node[s]
-        node[leaf] = yaml.safe_load(value)
-    path.write_text(yaml.safe_dump(params, sort_keys=False))
-
-
 @pytest.fixture
 def project(tmp_path):
     for name in ("dvc.yaml", ".dvcignore"):
         shutil.copy(ROOT / name, tmp_path / name)
     shutil.copytree(ROOT / "src", tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    tiny_params_file(tmp_path / "params.yaml")
+    write_tiny_params(tmp_path / "params.yaml", "tracking.enabled=true")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
            "GIT_COMMITTER_EMAIL": "t@t", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}

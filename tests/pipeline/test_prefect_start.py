@@ -8,22 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
-from tests_support import ROOT, TINY
+from tests_support import write_tiny_params
 from xbn.utils.errors import EXIT_SERVICE
 
 
 def test_an_ephemeral_prefect_api_that_does_not_start_is_one_line_naming_prefect_api_url(tmp_path):
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    for item in [*TINY, "tracking.enabled=true", "data.version=none"]:
-        key, value = item.split("=", 1)
-        *sections, leaf = key.split(".")
-        node = params
-        for section in sections:
-            node = node[section]
-        node[leaf] = yaml.safe_load(value)
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    write_tiny_params(tmp_path / "params.yaml", "tracking.enabled=true", "data.version=none")
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "1",
             "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}

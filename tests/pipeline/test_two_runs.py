@@ -15,31 +15,17 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests_support import ROOT, TINY
+from tests_support import write_tiny_params
 
 pytestmark = pytest.mark.slow  # two flow runs and a CPU load: first in the queue (tests/conftest.py)
 
 SPIN = "while True: pass"
 
 
-def _params(folder: Path) -> Path:
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    for item in [*TINY, "tracking.enabled=true", "tracking.run_wait_s=0", "data.root=data/glyphs"]:
-        key, value = item.split("=", 1)
-        *sections, leaf = key.split(".")
-        node = params
-        for section in sections:
-            node = node[section]
-        node[leaf] = yaml.safe_load(value)
-    path = folder / "params.yaml"
-    path.write_text(yaml.safe_dump(params, sort_keys=False))
-    return path
-
-
 def test_two_runs_started_at_once_under_load_one_runs_and_the_other_refuses_in_one_line(tmp_path):
-    _params(tmp_path)
+    write_tiny_params(tmp_path / "params.yaml", "tracking.enabled=true", "tracking.run_wait_s=0",
+                      "data.root=data/glyphs")
     faults = tmp_path / "faults"
     faults.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # the ephemeral API, in each run

@@ -5,10 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests_support import ROOT, TINY
-from xbn.config import apply_overrides
+from tests_support import write_tiny_params
 
 
 @pytest.fixture
@@ -17,10 +15,6 @@ def params_file(tmp_path, glyph_root, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
     def make(*overrides: str, name: str = "params.yaml") -> Path:
-        raw = yaml.safe_load((ROOT / "params.yaml").read_text())
-        raw = apply_overrides(raw, [*TINY, f"data.root={glyph_root}", *overrides])
-        path = tmp_path / name
-        path.write_text(yaml.safe_dump(raw, sort_keys=False))
-        return path
+        return write_tiny_params(tmp_path / name, f"data.root={glyph_root}", *overrides)
 
     return make

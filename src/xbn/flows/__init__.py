@@ -26,7 +26,7 @@ def prefect_api() -> Iterator[None]:
     try:
         _start_ephemeral_api()
         yield
-    except (RuntimeError, TimeoutError) as exc:
+    except RuntimeError as exc:
         if "ephemeral Prefect API server" not in str(exc):
             raise
         raise ServiceUnavailableError(
