@@ -41,9 +41,15 @@ ARM_CHANGES = {
     "oracle_c": "drift-free memory, centred gradient",
     # Omniglot (`mech_omniglot_b16.json`): is XBM starved of negatives by drift? All pairs against its memory
     "xbm_c_all": "XBM, centred gradient, all pairs against the memory (`memory.mine=false`): no negative starved",
+    # every method unstarved (`grid_omniglot_arms.json`)
+    "oracle_c_all": "drift-free memory, centred gradient, all pairs against the memory",
+    "xbn_c_all": "XBN, centred gradient, all pairs against the memory",
+    "axbn_c_all": "AXBN (Kalman-filtered moments), centred gradient, all pairs against the memory",
 }
-# The arms the targets compare, in the newest grid's names first (`grid_fix.json`), then `grid_collapse.json`'s.
-ORACLE_ARMS, XBN_ARMS, XBM_ARMS = ("oracle_c", "oracle"), ("xbn_c", "xbn"), ("xbm_c", "xbm")
+# The arms the targets compare: `grid_fix.json`'s names, `grid_collapse.json`'s, then the unstarved arms of
+# `grid_omniglot_arms.json` (a grid holds one of each).
+ORACLE_ARMS, XBN_ARMS, XBM_ARMS = (("oracle_c", "oracle", "oracle_c_all"), ("xbn_c", "xbn", "xbn_c_all"),
+                                   ("xbm_c", "xbm", "xbm_c_all"))
 MIN_SEEDS = 3  # a comparison over fewer paired seeds is shown, and judged inconclusive
 
 
@@ -213,6 +219,10 @@ GRID_NOTES = {
                          "pairs against the memory (`xbm_c`) and with every pair (`xbm_c_all`, "
                          "`memory.mine=false`: no negative can be starved), XBN with every pair (`xbn_c_all`), and "
                          "`none`, on Omniglot at batch 16, all at one commit on one machine.",
+    "grid_omniglot_arms": "Every memory method with its memory loss alone, unstarved (centred gradient, every pair "
+                          "against the memory: `xbm_c_all`'s settings), beside `none`, on Omniglot at batch 16, 5 "
+                          "seeds, all at one commit on one machine. The oracle re-embeds every stored row every "
+                          "`memory.oracle_every` steps: a memory with no drift, otherwise XBM's.",
     "grid_all_omniglot5": "`grid_all_omniglot.json`'s finding on 5 seeds, on another machine (an AVX2 EPYC) and "
                           "commit: XBM's memory loss alone with every pair against the memory (centred, "
                           "`xbm_c_all`) against `none`, on Omniglot at batch 16, all at one commit on one machine.",
@@ -239,12 +249,15 @@ def grid_tables(grid: dict[str, Any], diffs: dict[int, dict[str, Any]], paired_d
     return out
 
 
-# The probes: grids that test a mechanism over seeds (shown with their paired contrasts; they judge no target).
+# Paired contrasts between arms, by results file: the probes' (grids that test a mechanism over seeds and judge no
+# target), and a judged grid's beyond its arms against `none`.
 PROBE_CONTRASTS = {
     "grid_all_omniglot": (("xbm_c_all", "xbm_c", "XBM: every pair against the memory − the miner's"),
                           ("xbn_c_all", "xbm_c_all", "XBN − XBM, both with every pair against the memory")),
     "grid_all_b64": (("xbm_c_all", "xbn*", "XBM's memory loss alone with every pair − the shipped default"),),
     "grid_all_omniglot5": (),  # its one contrast, against `none`, is the grid table's
+    "grid_omniglot_arms": (("oracle_c_all", "xbm_c_all", "what drift costs XBM: the drift-free memory − XBM"),
+                           ("axbn_c_all", "xbn_c_all", "AXBN − XBN")),  # XBN − XBM: the target's line
 }
 
 
@@ -287,7 +300,7 @@ def render(mechanism: list[dict[str, Any]], grids: list[dict[str, Any]], header,
         diffs: dict[int, dict[str, Any]] = {}
         out += ["### Every memory arm beside `none`, with the fix (`" + grid["_file"] + "`)", "",
                 GRID_NOTES.get(Path(grid["_file"]).stem, ""), "", header(grid), ""]
-        out += grid_tables(grid, diffs, paired_difference)
+        out += grid_tables(grid, diffs, paired_difference) + probe_lines(grid, paired_difference)
         found = targets(grid, diffs)
         if (d := xbn_over_xbm(grid, paired_difference)) is not None:
             out += [f"XBN − XBM (memory loss alone) at batch 16, paired: {d['mean']:+.3f} [{d['low']:+.3f}, "

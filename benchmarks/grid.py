@@ -178,6 +178,19 @@ def run_overrides(data: list[str], method: list[str], batch: int, seed: int, run
     ]
 
 
+def exit_with_parent(parent: int, every_s: float = 1.0) -> None:
+    """A pool worker's initializer: exit once the grid's process is gone. A grid stopped with `kill` (or
+    killed) otherwise leaves its workers training to the end of their runs, beside whatever is measured next."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
 def run_one(overrides: list[str], threads: int, params_file: Path) -> dict[str, Any]:
     """One training + test evaluation in this (worker) process, from the grid's snapshot of params.yaml."""
     import torch
@@ -484,7 +497,8 @@ def main(argv: list[str]) -> int:
         print(f"grid: {len(jobs)} runs on {args.workers} worker(s) x {args.threads} thread(s); estimated "
               f"{result['plan']['estimated_hours']} h ({result['plan']['basis']})", flush=True)
         context = multiprocessing.get_context("spawn")
-        with futures.ProcessPoolExecutor(args.workers, mp_context=context) as pool:
+        with futures.ProcessPoolExecutor(args.workers, mp_context=context, initializer=exit_with_parent,
+                                         initargs=(os.getpid(),)) as pool:
             pending = {pool.submit(run_one, overrides, args.threads, params_file): key for key, overrides in jobs}
             for i, future in enumerate(futures.as_completed(pending), 1):
                 key = pending[future]

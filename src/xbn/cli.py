@@ -301,7 +301,7 @@ def _repair(params: Params, args) -> None:
         steps = RepairSteps(attach_index=attach_catalogue)
     for repaired in repair(params, steps):
         print(f"xbn run: {repaired.line}", file=sys.stderr)
-        notify(params, repaired.title, f"xbn run: {repaired.line}")
+        notify(params.notify, repaired.title, f"xbn run: {repaired.line}")
 
 
 # The commands that change the registry as a pipeline run: one at a time per registered model, whatever started

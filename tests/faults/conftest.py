@@ -55,9 +55,10 @@ class Loop:
     def failed(self, message: str) -> str:
         return f"{message}\nworker log:\n{tail(self.worker_log, 8000)}"
 
-    def start(self, fault: str | None = None, extra: list[str] = (), force: bool = False) -> str:
-        """A deployment run, as the schedule starts one; `fault`: XBN_FAULT for this run's process only."""
-        env = {"XBN_FAULT": fault, "XBN_FAULT_DIR": str(self.faults)} if fault else {}
+    def start(self, fault: str | None = None, extra: list[str] = (), force: bool = False,
+              env: dict[str, str] | None = None) -> str:
+        """A deployment run, as the schedule starts one; `fault`: XBN_FAULT, and `env`, for this run's process."""
+        env = {**({"XBN_FAULT": fault, "XBN_FAULT_DIR": str(self.faults)} if fault else {}), **(env or {})}
         status, run = api(self.prefect_url, f"/deployments/{self.deployment_id}/create_flow_run",
                           {"parameters": {"overrides": [*self.overrides, *extra], "force": force},
                            "job_variables": {"env": env}}, auth=None)
@@ -91,11 +92,11 @@ class Loop:
     def messages_since(self, count: int) -> list[str]:
         return [m.get("title", "") for m in self.receiver.messages[count:]]
 
-    def params(self):
+    def params(self, extra: tuple[str, ...] = ()):
         from xbn.config import load_params
 
         with contextlib.chdir(self.workdir):
-            params = load_params("params.yaml", [*self.overrides, f"tracking.uri={self.mlflow_url}"])
+            params = load_params("params.yaml", [*self.overrides, *extra, f"tracking.uri={self.mlflow_url}"])
         return params
 
 

@@ -102,8 +102,8 @@ def _read_chunked(reader) -> bytes:
 class LosingProxy:
     """A loopback HTTP/1.1 proxy in front of the MLflow server. `lose_next(path)`: the next request to `path`
     reaches the server and is carried out, but its response never comes back (the connection is closed), as
-    when a load balancer or a NAT drops a connection under a request in flight. `stopped`: while set, every
-    connection is refused at once (the server "down")."""
+    when a load balancer or a NAT drops a connection under a request in flight. While the server is down, the
+    client sees its connection closed."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port

@@ -22,8 +22,9 @@ from .conftest import PLANTED, Loop, record
 pytestmark = pytest.mark.slow
 
 
-def assert_healthy(loop: Loop) -> dict:
-    """The loop's invariants after a fault and the run that followed it; returns the versions and aliases."""
+def assert_healthy(loop: Loop, extra: tuple[str, ...] = ()) -> dict:
+    """The loop's invariants after a fault and the run that followed it, for the model the overrides plus `extra`
+    name; returns the versions and aliases. A registration ends done, or abandoned (held, never champion)."""
     from mlflow import MlflowClient
 
     from serving.serving_support import running
@@ -32,13 +33,14 @@ def assert_healthy(loop: Loop) -> dict:
     from xbn.tracking.history import read_history
     from xbn.tracking.registry import SHA_TAG
 
-    params = loop.params()
+    params = loop.params(extra)
     client = MlflowClient(loop.mlflow_url)
     name = params.registry.model_name
     versions = sorted(client.search_model_versions(f"name='{name}'"), key=lambda v: int(v.version))
     shas = collections.Counter(v.tags[SHA_TAG] for v in versions)
     assert all(n == 1 for n in shas.values()), f"a model registered twice: {shas}"
-    unfinished = {v.version: v.tags.get("registration") for v in versions if v.tags.get("registration") != "done"}
+    unfinished = {v.version: v.tags.get("registration") for v in versions
+                  if v.tags.get("registration") not in ("done", "abandoned")}
     assert not unfinished, f"registrations left unfinished: {unfinished}"
     registry = Registry(params)
     champion = registry.by_alias("champion")
@@ -70,14 +72,16 @@ def announced(loop: Loop, faulted: dict, sent: int) -> float:
     return time.monotonic()
 
 
-def run_after(loop: Loop, case: str, began: float, faulted: dict, sent: int, **row) -> dict:
-    """The next scheduled run after a fault: it completes, and the loop is healthy."""
+def run_after(loop: Loop, case: str, began: float, faulted: dict, sent: int, extra: tuple[str, ...] = (),
+              **row) -> dict:
+    """The next scheduled run after a fault (for the model the overrides plus `extra` name): it completes, and
+    the loop is healthy."""
     detected = time.monotonic()
     if faulted.get("state_type") == "CRASHED":
         row["announced_s"] = round(announced(loop, faulted, sent) - began, 1)
-    run = loop.finish(loop.start())
+    run = loop.finish(loop.start(None, list(extra)))
     assert run["state_type"] == "COMPLETED", loop.failed(f"{case}: the next run ended {run['state_type']}")
-    state = assert_healthy(loop)
+    state = assert_healthy(loop, extra)
     record(loop, case, faulted_run=faulted["state_name"], start_to_detected_s=round(detected - began, 1),
            next_run_s=round(run["total_run_time"], 1), **state, notifications=loop.messages_since(sent), **row)
     return state
@@ -191,6 +195,38 @@ def case_cut_dvc_files_and_a_foreign_rwlock(loop: Loop) -> None:
     assert all(e["pid"] != foreign.pid for e in (x for v in entries for x in (v if isinstance(v, list) else [v])))
 
 
+def case_an_awaiting_version_with_a_tampered_checkpoint_is_abandoned(loop: Loop) -> None:
+    """Issue 54 item 2, as deployed: a run of a second model (no champion yet, so the gate promotes) is SIGKILLed
+    after register, before the catalogue flow attached its index (v1 `awaiting_index`), and v1's checkpoint is
+    then corrupted in the artifact store. The next scheduled run abandons v1 (held, with the reason, never
+    champion), says so in a notification, and goes on: it trains v2, which the gate promotes and the catalogue
+    flow indexes. Before, the repair's IntegrityError failed this run and every later one."""
+    from mlflow import MlflowClient
+
+    from xbn.tracking import file_digest
+    from xbn.tracking.registry import SHA_TAG
+
+    other = ("registry.model_name=xbn-faults-abandon",)
+    sent, began = len(loop.receiver.messages), time.monotonic()
+    faulted = loop.finish(loop.start("retrain.after_register:kill", [*other, "train.seed=6"], force=True))
+    assert faulted["state_type"] == "CRASHED", loop.failed(f"ended {faulted['state_type']}")
+    v1 = MlflowClient(loop.mlflow_url).get_model_version("xbn-faults-abandon", "1")
+    assert v1.tags.get("registration") == "awaiting_index", v1.tags
+    stored = [p for p in (loop.home / "artifacts").rglob("model.pt") if file_digest(p) == v1.tags[SHA_TAG]]
+    assert stored, f"v1's checkpoint ({v1.tags[SHA_TAG][:12]}) is not in the artifact store"
+    for path in stored:  # the run's copy and the registered model's, if the store keeps two
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    state = run_after(loop, "SIGKILL awaiting its index; its checkpoint corrupted", began, faulted, sent, other)
+    assert state["versions"] == {1: "held", 2: "promoted"} and state["champion"] == 2, state
+    v1 = MlflowClient(loop.mlflow_url).get_model_version("xbn-faults-abandon", "1")
+    assert v1.tags["registration"] == "abandoned" and "IntegrityError" in v1.tags["reason"], v1.tags
+    titles = loop.messages_since(sent)
+    assert titles[:2] == [f"xbn retrain CRASHED: {faulted['name']}", "xbn: v1 registration abandoned"], titles
+    assert len(titles) == 3 and titles[2].startswith("xbn: v2 "), titles
+
+
 def planted_in(dump: str) -> list[str]:
     """`table.column` of each value in a pg_dump that holds the planted secret."""
     found, columns, table = [], [], None
@@ -210,7 +246,8 @@ def planted_in(dump: str) -> list[str]:
 
 def case_the_catalogue_then_no_planted_secret_anywhere(loop: Loop) -> None:
     """Issue 41 item 3: `xbn catalogue` (a flow run; the champion's catalogue index is up to date) runs with the
-    planted secrets in its environment like every run before it. Then no record holds them:
+    planted secrets in its environment like every run before it, then a deployment run whose MLflow calls fail
+    (issue 54 item 7). Then no record holds them:
     every row of Prefect's and MLflow's databases (flow-run parameters, logs, artifacts, params, tags,
     descriptions), every file in the artifact store, the DVC remote, the project's reports/, metrics/ and models/,
     what the worker and the commands printed, and the notifications received."""
@@ -222,9 +259,26 @@ def case_the_catalogue_then_no_planted_secret_anywhere(loop: Loop) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "already serves this catalogue's index" in done.stderr, done.stdout[-2000:] + done.stderr[-2000:]
     state = assert_healthy(loop)
-    record(loop, "planted secrets; xbn catalogue", faulted_run="(none)", catalogue_s=round(
-        time.monotonic() - began, 1), **state)
-    found = [f"the {db} database: {where}" for db in ("prefect", "mlflow") for where in planted_in(loop.pg.dump(db))]
+    # Then a deployment run whose MLflow calls fail (the server stops once the run holds its lock; no outage is
+    # waited out, MLflow's own retries are off): what Prefect records of the failure (the task's state, the
+    # traceback its engine logs, the notification) names the store, whose URI holds the planted password.
+    sent = len(loop.receiver.messages)
+    run_id = loop.start("retrain.locked:wait", ["tracking.outage_s=0"], force=True,
+                        env={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"})
+    loop.wait_reached("retrain.locked", run_id)
+    loop.stop_mlflow()
+    try:
+        loop.release("retrain.locked")
+        failed = loop.finish(run_id)
+    finally:
+        loop.start_mlflow()
+    assert failed["state_type"] == "FAILED", loop.failed(f"with MLflow down: {failed['state_type']}")
+    assert [t.split(":")[0] for t in loop.messages_since(sent)] == ["xbn retrain FAILED"], loop.messages_since(sent)
+    record(loop, "planted secrets; xbn catalogue; a run whose MLflow calls fail", faulted_run=failed["state_name"],
+           catalogue_s=round(time.monotonic() - began, 1), **state)
+    dumps = {db: loop.pg.dump(db) for db in ("prefect", "mlflow")}
+    assert f"127.0.0.1:{loop.proxy.port}" in dumps["prefect"]  # the failure, naming the store, is recorded
+    found = [f"the {db} database: {where}" for db, dump in dumps.items() for where in planted_in(dump)]
     for folder in (loop.home / "artifacts", loop.home / "dvc-remote", loop.workdir / "reports",
                    loop.workdir / "metrics", loop.workdir / "models"):
         found += [str(path) for path in folder.rglob("*") if path.is_file() and PLANTED.encode() in path.read_bytes()]
@@ -241,7 +295,8 @@ def case_the_catalogue_then_no_planted_secret_anywhere(loop: Loop) -> None:
 CASES = (case_killed_after_the_champion_alias_moved, case_killed_after_training, case_killed_after_create,
          case_postgres_restarted_mid_flow_while_xbn_retrain_is_refused,
          case_mlflow_down_30_s_mid_register_and_a_lost_create_response,
-         case_cut_dvc_files_and_a_foreign_rwlock, case_the_catalogue_then_no_planted_secret_anywhere)
+         case_cut_dvc_files_and_a_foreign_rwlock, case_an_awaiting_version_with_a_tampered_checkpoint_is_abandoned,
+         case_the_catalogue_then_no_planted_secret_anywhere)
 
 
 def selected_cases(only: str | None) -> list:

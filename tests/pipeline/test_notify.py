@@ -21,8 +21,8 @@ def test_urls_come_from_the_environment_and_every_one_is_sent_to(receiver, monke
     url, received = receiver
     monkeypatch.setenv("XBN_NOTIFY_URLS", f"{url}, {url}")
     params = load_params(ROOT / "params.yaml")
-    assert notification_urls(params) == [url, url]
-    assert notify(params, "xbn: v2 promoted to champion", "the body")
+    assert notification_urls(params.notify) == [url, url]
+    assert notify(params.notify, "xbn: v2 promoted to champion", "the body")
     assert [(m["title"], m["message"]) for m in received] == [("xbn: v2 promoted to champion", "the body")] * 2
 
 
@@ -30,7 +30,7 @@ def test_nothing_configured_or_a_dead_receiver_is_logged_not_raised(monkeypatch,
     params = load_params(ROOT / "params.yaml")
     monkeypatch.delenv("XBN_NOTIFY_URLS", raising=False)
     with caplog.at_level(logging.INFO):
-        assert not notify(params, "t", "b")
+        assert not notify(params.notify, "t", "b")
     assert "no URL configured" in caplog.text
     import socket
 
@@ -39,7 +39,7 @@ def test_nothing_configured_or_a_dead_receiver_is_logged_not_raised(monkeypatch,
         port = probe.getsockname()[1]
     monkeypatch.setenv("XBN_NOTIFY_URLS", f"json://127.0.0.1:{port}/")
     with caplog.at_level(logging.WARNING):
-        assert not notify(params, "xbn retrain FAILED", "b")
+        assert not notify(params.notify, "xbn retrain FAILED", "b")
     assert "not delivered" in caplog.text or "failed" in caplog.text
 
 
@@ -60,5 +60,5 @@ def test_what_is_sent_is_masked(receiver, monkeypatch):
     url, received = receiver
     monkeypatch.setenv("XBN_NOTIFY_URLS", url)
     error = "OperationalError: could not connect to postgresql://xbn:hunter2@db:5432/mlflow"
-    assert notify(load_params(ROOT / "params.yaml"), f"xbn retrain FAILED: {error}", f"the run failed: {error}")
+    assert notify(load_params(ROOT / "params.yaml").notify, f"xbn retrain FAILED: {error}", f"the run failed: {error}")
     assert "hunter2" not in str(received) and "postgresql://xbn:***@db:5432/mlflow" in received[0]["message"]

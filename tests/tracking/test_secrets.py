@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import traceback
 import os
 
 import pytest
@@ -148,3 +149,52 @@ def test_a_server_uri_gives_its_account_to_the_environment_unless_one_is_set(mon
     assert os.environ["MLFLOW_TRACKING_USERNAME"] == "xbn"
     for uri in ("http://h:5000", "sqlite:///m.db", f"postgresql://xbn:{SECRET}@db/mlflow"):
         assert account_to_environment(uri) == uri  # libpq reads PGPASSWORD; the DSN is masked where written
+
+
+def test_an_exception_is_masked_in_place_with_every_one_it_came_from():
+    """What Prefect records of a failed task (its state's message, the traceback its engine sends to the API) is
+    read from the exception: it leaves every xbn task and flow masked, its type and chain kept."""
+    from mlflow.exceptions import MlflowException
+
+    from xbn.utils.secrets import masks_exceptions
+
+    @masks_exceptions
+    def call_the_store():
+        try:
+            raise ConnectionError(f"connecting to postgresql://xbn:{SECRET}@db/mlflow")
+        except ConnectionError as exc:
+            error = MlflowException(f"API request to http://xbn:{SECRET}@mlflow:5000/api failed")
+            error.add_note(f"while logging to http://xbn:{SECRET}@mlflow:5000")
+            raise error from exc
+
+    with pytest.raises(MlflowException) as raised:
+        call_the_store()
+    shown = "".join(traceback.format_exception(raised.value))
+    assert SECRET not in shown and "http://xbn:***@mlflow:5000/api" in shown and "postgresql://xbn:***@db" in shown
+    assert isinstance(raised.value.__cause__, ConnectionError) and call_the_store.__name__ == "call_the_store"
+
+
+def test_every_task_and_flow_of_xbn_masks_what_it_raises():
+    import prefect
+
+    import xbn.flows.catalogue
+    import xbn.flows.retrain
+    import xbn.flows.tune
+    from xbn.utils.secrets import masks_exceptions
+
+    masked_code = masks_exceptions(lambda: None).__code__
+    found = {f"{module.__name__}.{name}": getattr(obj.fn, "__code__", None) is masked_code
+             for module in (xbn.flows.catalogue, xbn.flows.retrain, xbn.flows.tune)
+             for name, obj in vars(module).items()
+             if isinstance(obj, (prefect.Task, prefect.Flow)) and obj.fn.__module__ == module.__name__}
+    assert len(found) >= 20 and all(found.values()), [name for name, masked in found.items() if not masked]
+
+
+def test_a_masked_flow_still_validates_its_parameters():
+    """Prefect validates a flow's parameters from its signature: under the mask, the annotations (postponed, so
+    strings) must still resolve in the flow's own module (`Shard` is not a name of xbn.utils.secrets)."""
+    from xbn.flows.catalogue import embed_shards
+
+    checked = embed_shards.validate_parameters({"params_path": "params.yaml", "overrides": [], "version": "3",
+                                                "shards": []})
+    assert checked["version"] == 3

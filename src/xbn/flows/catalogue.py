@@ -34,6 +34,7 @@ from xbn.config import ConfigError, Params, load_params
 from xbn.flows.tasks import TASK_OPTIONS
 from xbn.stages.catalogue import CataloguePlan, Shard, plan, publish
 from xbn.stages.catalogue import embed_shard as embed
+from xbn.utils.secrets import masks_exceptions
 
 SCHEDULER_ENV = "DASK_SCHEDULER_ADDRESS"
 
@@ -81,11 +82,13 @@ def for_workers(params: Params) -> Params:
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def plan_catalogue(params: Params, version: int | None) -> CataloguePlan:
     return plan(params, version)
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def embed_shard(params: Params, version: int, shard: Shard) -> dict:
     report = embed(params, version, shard)
     try:
@@ -98,11 +101,13 @@ def embed_shard(params: Params, version: int, shard: Shard) -> dict:
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def publish_index(params: Params, planned: CataloguePlan) -> dict:
     return publish(params, planned)
 
 
 @flow(name="xbn-catalogue-embed")
+@masks_exceptions
 def embed_shards(params_path: str, overrides: list[str], version: int, shards: list[Shard]) -> list[dict]:
     """The shards mapped over the flow's Dask cluster (the caller picks it: `with_options(task_runner=...)`).
     It takes the params' file and overrides, not the resolved params: Prefect records a flow run's parameters,
@@ -121,6 +126,7 @@ def embed_shards(params_path: str, overrides: list[str], version: int, shards: l
 
 
 @flow(name="xbn-catalogue", log_prints=True)
+@masks_exceptions
 def catalogue(params_path: str = "params.yaml", overrides: list[str] | None = None, version: int | None = None,
               address: str | None = None) -> dict:
     """Embed `catalogue.source` with registry version `version` (None: the one holding `serve.alias`) on the

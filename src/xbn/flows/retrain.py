@@ -52,6 +52,7 @@ from xbn.stages.summary import summary_markdown
 from xbn.utils.allocator import fix_malloc_thresholds
 from xbn.utils.faults import fault_point
 from xbn.utils.locks import RunBusy
+from xbn.utils.secrets import masks_exceptions
 
 DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00
 
@@ -71,16 +72,19 @@ def _recorded(stage: str, params: Params, run):
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def prepare_data(params: Params) -> dict:
     return _recorded("prepare", params, prepare)
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def snapshot_data(params: Params) -> dict:
     return snapshot(params)  # DVC add + push: the fingerprint the plan compares, restorable later
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def interrupted_registrations(params: Params) -> list[int]:
     from xbn.stages.register import interrupted_versions
 
@@ -88,6 +92,7 @@ def interrupted_registrations(params: Params) -> list[int]:
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def complete_registration(params: Params, version: int) -> dict:
     from xbn.stages.register import complete_version
 
@@ -95,14 +100,15 @@ def complete_registration(params: Params, version: int) -> dict:
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def abandon_registration(params: Params, version: int, reason: str) -> dict:
-    from xbn.stages.promotion import GATE
     from xbn.stages.register import abandon
 
-    return abandon(params, version, reason, user=GATE)  # it could not be completed: it never stops a week
+    return abandon(params, version, reason, by_gate=True)  # it could not be completed: it never stops a week
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def registration_of(params: Params, version: int) -> dict:
     from xbn.stages.register import registration
 
@@ -110,6 +116,7 @@ def registration_of(params: Params, version: int) -> dict:
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def check_champion_index(params: Params) -> dict | None:
     from xbn.stages.index import champion_index_problem
 
@@ -117,6 +124,7 @@ def check_champion_index(params: Params) -> dict | None:
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def index_champion(params: Params, version: int) -> dict:
     from xbn.stages.index import index_version
 
@@ -124,6 +132,7 @@ def index_champion(params: Params, version: int) -> dict:
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def plan_retraining(params: Params, data: dict, force: bool) -> dict:
     from xbn.stages.schedule import plan
 
@@ -131,6 +140,7 @@ def plan_retraining(params: Params, data: dict, force: bool) -> dict:
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def validate_data(params: Params) -> dict:
     from xbn.stages.validate import validate
 
@@ -138,6 +148,7 @@ def validate_data(params: Params) -> dict:
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def train_model(params: Params) -> dict:
     from xbn.stages.train import train
 
@@ -169,6 +180,7 @@ def _own_checkpoint(params: Params, run_id: str | None) -> bool:
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def refine_embeddings(params: Params) -> dict:
     from xbn.stages.refine import refine
 
@@ -176,6 +188,7 @@ def refine_embeddings(params: Params) -> dict:
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def evaluate_model(params: Params) -> dict:
     from xbn.stages.evaluate import evaluate
 
@@ -183,6 +196,7 @@ def evaluate_model(params: Params) -> dict:
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def register_model(params: Params, tags: dict) -> dict:
     from xbn.stages.register import register
 
@@ -190,6 +204,7 @@ def register_model(params: Params, tags: dict) -> dict:
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def index_catalogue(params: Params) -> dict:
     from xbn.stages.index import index
 
@@ -197,6 +212,7 @@ def index_catalogue(params: Params) -> dict:
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def tune_study(params: Params) -> dict:
     from xbn.stages.tune import tune
 
@@ -238,7 +254,7 @@ def _notify_end(run, state, word: str, what: str) -> None:
             params = load_params(parameters.get("params_path", "params.yaml"))
         except Exception:  # noqa: BLE001
             params = Params()
-    notify(params, f"xbn retrain {word}: {run.name}",
+    notify(params.notify, f"xbn retrain {word}: {run.name}",
            f"Flow run {run.name} {what}: {state.message or state.name}\n{_link(run.id)}")
 
 
@@ -250,6 +266,7 @@ def _link(run_id) -> str:
 
 
 @flow(name="xbn-retrain", log_prints=True, on_failure=[_notify_failure], on_crashed=[_notify_crash])
+@masks_exceptions
 def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None,
             tune: bool | None = None, force: bool = False) -> dict:
     """`tune`: run the study first (None: as `tune.enabled` says); `force`: retrain even if nothing changed."""
@@ -288,7 +305,7 @@ def _retrain(params: Params, params_path: str, overrides: list[str], tune: bool 
                             abandon=abandon_registration)
         for repaired in repair(params, steps):
             logger.warning("registry: %s", repaired.line)
-            notify(params, repaired.title, f"Flow run {flow_run.name}: {repaired.line}")
+            notify(params.notify, repaired.title, f"Flow run {flow_run.name}: {repaired.line}")
         decision = plan_retraining(params, data, force)
     else:  # no registry, no champion to compare with or start from
         decision = {"retrain": True, "init": "pretrained", "reason": "tracking disabled: training from "
@@ -418,7 +435,7 @@ def _notify_decision(params: Params, registered: dict, metrics: dict, decision: 
         *([f"the gate was changed by this run's overrides: {'; '.join(gate_overrides)}"] if gate_overrides
           else []),
     ])
-    notify(params, title, body)
+    notify(params.notify, title, body)
 
 
 def main(argv: list[str] | None = None) -> None:

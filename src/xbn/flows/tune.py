@@ -19,9 +19,11 @@ from xbn.config import Params
 from xbn.flows.tasks import TASK_OPTIONS
 from xbn.stages.names import load_checked
 from xbn.utils.allocator import fix_malloc_thresholds
+from xbn.utils.secrets import masks_exceptions
 
 
 @task(**TASK_OPTIONS)
+@masks_exceptions
 def run_study(params: Params, workers: int) -> dict:
     from xbn.stages.tune import tune
 
@@ -29,6 +31,7 @@ def run_study(params: Params, workers: int) -> dict:
 
 
 @task(**TASK_OPTIONS | {"retries": 0})
+@masks_exceptions
 def merge_best(params_path: str, summary: dict) -> dict:
     from xbn.tuning import apply_tuned, tuned_values
 
@@ -58,6 +61,7 @@ def summary_markdown(summary: dict) -> str:
 
 
 @flow(name="xbn-tune", log_prints=True)
+@masks_exceptions
 def tune_flow(params_path: str = "params.yaml", overrides: list[str] | None = None, workers: int = 1,
               apply: bool = False) -> dict:
     fix_malloc_thresholds()  # as `xbn` does: a Prefect worker runs this flow in a process of its own

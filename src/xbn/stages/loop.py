@@ -81,10 +81,9 @@ def _complete(params: Params, version: int) -> dict:
 
 
 def _abandon(params: Params, version: int, reason: str) -> dict:
-    from xbn.stages.promotion import GATE
     from xbn.stages.register import abandon
 
-    return abandon(params, version, reason, user=GATE)
+    return abandon(params, version, reason, by_gate=True)
 
 
 def _registration(params: Params, version: int) -> dict:

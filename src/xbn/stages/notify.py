@@ -13,15 +13,16 @@ import os
 import re
 from typing import Any, cast
 
-from xbn.config import Params
-from xbn.utils.secrets import mask_secrets
+from xbn.config.schema import NotifyConfig
+from xbn.utils.secrets import mask_error, mask_secrets
 
 log = logging.getLogger(__name__)
 
 
-def notification_urls(params: Params) -> list[str]:
+def notification_urls(settings: NotifyConfig) -> list[str]:
+    """The Apprise URLs `notify.urls` names: each entry `env:VAR` or a Prefect Secret block's name."""
     urls: list[str] = []
-    for entry in params.notify.urls:
+    for entry in settings.urls:
         kind, _, name = entry.partition(":")
         if kind == "env":
             value = os.environ.get(name, "")
@@ -39,11 +40,11 @@ def notification_urls(params: Params) -> list[str]:
     return urls
 
 
-def notify(params: Params, title: str, body: str) -> bool:
-    """Send one notification to every configured URL; False (logged, not raised) when none is configured or
+def notify(settings: NotifyConfig, title: str, body: str) -> bool:
+    """Send one notification to every URL of `settings` (params.notify); False (logged, not raised) when none is configured or
     any of them failed."""
     title, body = mask_secrets(title), mask_secrets(body)  # an error's text may carry a URI with its password
-    urls = notification_urls(params)
+    urls = notification_urls(settings)
     if not urls:
         log.info("notify: no URL configured (notify.urls): '%s' not sent", title)
         return False
@@ -58,7 +59,7 @@ def notify(params: Params, title: str, body: str) -> bool:
                             url.split(":", 1)[0])
         ok = bool(len(sender)) and bool(sender.notify(title=title, body=body))
     except Exception as exc:  # noqa: BLE001 - a notifier must never fail the flow
-        log.warning("notify: sending '%s' failed: %s: %s", title, type(exc).__name__, exc)
+        log.warning("notify: sending '%s' failed: %s", title, mask_error(exc))
         return False
     if not ok:
         log.warning("notify: '%s' was not delivered to every URL (see Apprise's log above)", title)

@@ -209,11 +209,14 @@ def complete_version(params: Params, version: int) -> dict:
     return _registered(params, registry, info, _trained_of(params, registry, info, strict=True))
 
 
-def abandon(params: Params, version: int | str, reason: str, user: str | None = None) -> dict:
+def abandon(params: Params, version: int | str, reason: str, user: str | None = None, *,
+            by_gate: bool = False) -> dict:
     """Give up an unfinished registration that cannot be completed: tagged `registration: abandoned` and held,
     with the reason, so no later run tries it again. The champion is never abandoned; a finished registration
-    has nothing to abandon (`RegistryError`)."""
+    has nothing to abandon (`RegistryError`). `by_gate`: the run's own repair decided it, as the gate decides a
+    promotion (recorded as the gate's whichever account the run writes as), not a person."""
     _require_reason(reason, user)
+    who = GATE if by_gate else _user(user)
     registry = _registry(params)
     with registry.lock():
         target = _version(registry, version)
@@ -224,7 +227,7 @@ def abandon(params: Params, version: int | str, reason: str, user: str | None = 
                                 "than abandon it")
         if state not in UNFINISHED:
             raise RegistryError(f"v{target.version}'s registration is {state}, not unfinished: nothing to abandon")
-        registry.set_tags(target.version, {**_stamp("held", f"abandoned: {reason}", _user(user)),
+        registry.set_tags(target.version, {**_stamp("held", f"abandoned: {reason}", who),
                                            REGISTRATION_TAG: ABANDONED})
     return _write_report(params, registry, registry.get(target.version), compared=None, write=False)
 
