@@ -221,8 +221,9 @@ GRID_NOTES = {
                          "`none`, on Omniglot at batch 16, all at one commit on one machine.",
     "grid_omniglot_arms": "Every memory method with its memory loss alone, unstarved (centred gradient, every pair "
                           "against the memory: `xbm_c_all`'s settings), beside `none`, on Omniglot at batch 16, 5 "
-                          "seeds, all at one commit on one machine. The oracle re-embeds every stored row every "
-                          "`memory.oracle_every` steps: a memory with no drift, otherwise XBM's.",
+                          "seeds, then `none` and `xbm_c_all` at batch 64 (`--resume --batches 64`, at the next "
+                          "commit, whose changes do not touch training), on one machine. The oracle re-embeds every "
+                          "stored row every `memory.oracle_every` steps: a memory with no drift, otherwise XBM's.",
     "grid_all_omniglot5": "`grid_all_omniglot.json`'s finding on 5 seeds, on another machine (an AVX2 EPYC) and "
                           "commit: XBM's memory loss alone with every pair against the memory (centred, "
                           "`xbm_c_all`) against `none`, on Omniglot at batch 16, all at one commit on one machine.",
