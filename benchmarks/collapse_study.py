@@ -222,8 +222,14 @@ GRID_NOTES = {
     "grid_omniglot_arms": "Every memory method with its memory loss alone, unstarved (centred gradient, every pair "
                           "against the memory: `xbm_c_all`'s settings), beside `none`, on Omniglot at batch 16, 5 "
                           "seeds, then `none` and `xbm_c_all` at batch 64 (`--resume --batches 64`, at the next "
-                          "commit, whose changes do not touch training), on one machine. The oracle re-embeds every "
-                          "stored row every `memory.oracle_every` steps: a memory with no drift, otherwise XBM's.",
+                          "commit), then `oracle_c_all` at batch 64 (`--resume`, at the commit after, which only "
+                          "added results; neither change touches training), on one machine. The oracle re-embeds "
+                          "every stored row every `memory.oracle_every` steps: a memory with no drift, otherwise "
+                          "XBM's.",
+    "grid_sop_arms": "The Omniglot grid's unstarved arms (centred gradient, every pair against the memory) on the "
+                     "product-search-like split at batch 16, beside `none`, 3 seeds, one machine and commit: does "
+                     "the memory's loss alone still lose to no memory there once the miner cannot starve it, and "
+                     "does a memory with no drift?",
     "grid_all_omniglot5": "`grid_all_omniglot.json`'s finding on 5 seeds, on another machine (an AVX2 EPYC) and "
                           "commit: XBM's memory loss alone with every pair against the memory (centred, "
                           "`xbm_c_all`) against `none`, on Omniglot at batch 16, all at one commit on one machine.",
@@ -259,6 +265,7 @@ PROBE_CONTRASTS = {
     "grid_all_omniglot5": (),  # its one contrast, against `none`, is the grid table's
     "grid_omniglot_arms": (("oracle_c_all", "xbm_c_all", "what drift costs XBM: the drift-free memory − XBM"),
                            ("axbn_c_all", "xbn_c_all", "AXBN − XBN")),  # XBN − XBM: the target's line
+    "grid_sop_arms": (("oracle_c_all", "xbm_c_all", "what drift costs XBM: the drift-free memory − XBM"),),
 }
 
 

@@ -782,7 +782,7 @@ def main(argv: list[str] | None = None) -> Path:
         parts.append(text.rstrip("\n") + "\n" + verdict_summary.section_targets(found))
         targets.extend(found)
     mechanism = [d for p in sorted(RESULTS_DIR.glob("mech_*.json")) if (d := _load(p.stem))]
-    grids = [d for name in ("grid_collapse", "grid_fix", "grid_fix_omniglot", "grid_omniglot_arms")
+    grids = [d for name in ("grid_collapse", "grid_fix", "grid_fix_omniglot", "grid_omniglot_arms", "grid_sop_arms")
              if (d := _load(name))]  # oldest first
     if mechanism or grids:  # section 15: issue 52's collapse of the memory
         from benchmarks import collapse_study

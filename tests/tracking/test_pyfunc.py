@@ -222,3 +222,20 @@ def test_the_pyfunc_runs_the_engine_it_is_configured_with(params, logged, tmp_pa
     expected = np.array(default.predict(frame)[EMBEDDING].tolist(), dtype=np.float32)
     got = np.array(onnx.predict(frame)[EMBEDDING].tolist(), dtype=np.float32)
     assert ((got * expected).sum(1) >= 0.9999).all() and np.abs(got - expected).max() <= 1e-5
+
+
+def test_logging_the_model_does_not_map_every_installed_distribution(params, monkeypatch):
+    """MLflow's pin check maps every installed distribution to its modules (about 3 s of the 4 s a registration
+    took); our pins are this environment's own, so xbn skips it, and puts it back afterwards."""
+    import importlib_metadata
+    from mlflow.utils import environment, requirements_utils
+
+    check = environment.warn_dependency_requirement_mismatches
+    monkeypatch.setattr(requirements_utils, "_MODULES_TO_PACKAGES", None)  # as in a fresh process
+    monkeypatch.setattr(importlib_metadata, "packages_distributions",
+                        lambda: pytest.fail("log_model mapped every installed distribution"))
+    write_model(params, seed=1)
+    with pipeline_run(params, "train", new=True) as run:
+        uri = log_model(params, run)
+    assert uri.startswith("models:/") and environment.warn_dependency_requirement_mismatches is check
+    assert mlflow.pyfunc.warn_dependency_requirement_mismatches is check
