@@ -227,9 +227,9 @@ GRID_NOTES = {
                           "every stored row every `memory.oracle_every` steps: a memory with no drift, otherwise "
                           "XBM's.",
     "grid_sop_arms": "The Omniglot grid's unstarved arms (centred gradient, every pair against the memory) on the "
-                     "product-search-like split at batch 16, beside `none`, 3 seeds, one machine and commit: does "
-                     "the memory's loss alone still lose to no memory there once the miner cannot starve it, and "
-                     "does a memory with no drift?",
+                     "product-search-like split at batch 16, beside `none`, 3 seeds, then seeds 3 and 4 and AXBN "
+                     "(`--resume`), all at one commit on one machine: does the memory's loss alone still lose to "
+                     "no memory there once the miner cannot starve it, and does a memory with no drift?",
     "grid_all_omniglot5": "`grid_all_omniglot.json`'s finding on 5 seeds, on another machine (an AVX2 EPYC) and "
                           "commit: XBM's memory loss alone with every pair against the memory (centred, "
                           "`xbm_c_all`) against `none`, on Omniglot at batch 16, all at one commit on one machine.",
