@@ -45,6 +45,8 @@ ARM_CHANGES = {
     "oracle_c_all": "drift-free memory, centred gradient, all pairs against the memory",
     "xbn_c_all": "XBN, centred gradient, all pairs against the memory",
     "axbn_c_all": "AXBN (Kalman-filtered moments), centred gradient, all pairs against the memory",
+    # sop_like (`grid_sop_arms.json`): is an anchor's own stored copy (a large share of 5 images a class) the cost?
+    "xbm_c_all_xs": "`xbm_c_all` with `memory.exclude_self=true`: an anchor never meets its own stored copy",
 }
 # The arms the targets compare: `grid_fix.json`'s names, `grid_collapse.json`'s, then the unstarved arms of
 # `grid_omniglot_arms.json` (a grid holds one of each).
@@ -229,7 +231,9 @@ GRID_NOTES = {
     "grid_sop_arms": "The Omniglot grid's unstarved arms (centred gradient, every pair against the memory) on the "
                      "product-search-like split at batch 16, beside `none`, 3 seeds, then seeds 3 and 4 and AXBN "
                      "(`--resume`), all at one commit on one machine: does the memory's loss alone still lose to "
-                     "no memory there once the miner cannot starve it, and does a memory with no drift?",
+                     "no memory there once the miner cannot starve it, and does a memory with no drift? Then "
+                     "`xbm_c_all_xs` (`--resume`, at the next commit, which only added results): is an anchor's "
+                     "own stored copy what it costs?",
     "grid_all_omniglot5": "`grid_all_omniglot.json`'s finding on 5 seeds, on another machine (an AVX2 EPYC) and "
                           "commit: XBM's memory loss alone with every pair against the memory (centred, "
                           "`xbm_c_all`) against `none`, on Omniglot at batch 16, all at one commit on one machine.",
@@ -265,7 +269,8 @@ PROBE_CONTRASTS = {
     "grid_all_omniglot5": (),  # its one contrast, against `none`, is the grid table's
     "grid_omniglot_arms": (("oracle_c_all", "xbm_c_all", "what drift costs XBM: the drift-free memory − XBM"),
                            ("axbn_c_all", "xbn_c_all", "AXBN − XBN")),  # XBN − XBM: the target's line
-    "grid_sop_arms": (("oracle_c_all", "xbm_c_all", "what drift costs XBM: the drift-free memory − XBM"),),
+    "grid_sop_arms": (("oracle_c_all", "xbm_c_all", "what drift costs XBM: the drift-free memory − XBM"),
+                      ("xbm_c_all_xs", "xbm_c_all", "what an anchor's own stored copy costs XBM: without − with")),
 }
 
 
