@@ -47,6 +47,8 @@ ARM_CHANGES = {
     "axbn_c_all": "AXBN (Kalman-filtered moments), centred gradient, all pairs against the memory",
     # sop_like (`grid_sop_arms.json`): is an anchor's own stored copy (a large share of 5 images a class) the cost?
     "xbm_c_all_xs": "`xbm_c_all` with `memory.exclude_self=true`: an anchor never meets its own stored copy",
+    "xbm*": "XBM + the minibatch loss (the miner's pairs, gradient not centred, as the shipped default)",
+    "axbn*": "AXBN + the minibatch loss (otherwise the shipped default)",
 }
 # The arms the targets compare: `grid_fix.json`'s names, `grid_collapse.json`'s, then the unstarved arms of
 # `grid_omniglot_arms.json` (a grid holds one of each).
@@ -233,7 +235,8 @@ GRID_NOTES = {
                      "(`--resume`), all at one commit on one machine: does the memory's loss alone still lose to "
                      "no memory there once the miner cannot starve it, and does a memory with no drift? Then "
                      "`xbm_c_all_xs` (`--resume`, at the next commit, which only added results): is an anchor's "
-                     "own stored copy what it costs?",
+                     "own stored copy what it costs? Then each memory with the minibatch loss beside it, as "
+                     "shipped (`xbn*`, `xbm*`, `axbn*`; `--resume` at the commit after, results only again).",
     "grid_all_omniglot5": "`grid_all_omniglot.json`'s finding on 5 seeds, on another machine (an AVX2 EPYC) and "
                           "commit: XBM's memory loss alone with every pair against the memory (centred, "
                           "`xbm_c_all`) against `none`, on Omniglot at batch 16, all at one commit on one machine.",
