@@ -280,7 +280,7 @@ def log_model(params: Params, run: PipelineRun, checkpoint: str | Path | None = 
     active = mlflow.active_run()
     if not (active and active.info.run_id == run.run_id):
         raise RuntimeError("log_model logs to the active run: call it inside `with pipeline_run(...)`")
-    with tempfile.TemporaryDirectory(prefix="xbn-code-") as code:
+    with tempfile.TemporaryDirectory(prefix="xbn-code-") as code, _pins_taken_as_installed():
         info = _log_pyfunc(params, checkpoint, sha, pyfunc.package_code(Path(code)))
     client.log_batch(run.run_id, tags=as_tags({MODEL_URI_TAG: info.model_uri, MODEL_SHA_TAG: sha}))
     return info.model_uri
@@ -309,11 +309,6 @@ def _pins_taken_as_installed() -> Iterator[None]:
 
 
 def _log_pyfunc(params: Params, checkpoint: Path, sha: str, code: Path):
-    with _pins_taken_as_installed():
-        return _log_pyfunc_unchecked(params, checkpoint, sha, code)
-
-
-def _log_pyfunc_unchecked(params: Params, checkpoint: Path, sha: str, code: Path):
     return mlflow.pyfunc.log_model(
         name=MODEL_NAME,
         python_model=str(pyfunc.MODEL_CODE),
