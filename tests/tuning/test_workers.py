@@ -1,6 +1,10 @@
 """Parallel workers for real: two processes on the real PostgreSQL at 127.0.0.1:5432 (and on a journal file)
 finish exactly the requested trials, none lost or duplicated; a worker that dies has its trial marked failed
-(by heartbeats on PostgreSQL, by the coordinator on a journal) and the study goes on."""
+(by heartbeats on PostgreSQL, by the coordinator on a journal) and the study goes on.
+
+The worker to kill is held at the fault point `tune.in_trial` (its trial running, its worker recorded) until
+it is killed: a trial that finished between the poll that saw it running and the kill would make the test
+see a completed trial where it expects a failed one (a CI run did)."""
 
 import os
 import signal
@@ -17,11 +21,13 @@ from optuna.trial import TrialState
 from xbn.stages.tune import tune
 from xbn.tuning.storage import journal_storage
 from xbn.tuning.study import ERROR_ATTR, WORKER_ATTR
+from xbn.utils.faults import FAULT_DIR_ENV, FAULT_ENV
 
 from .helpers import child_runs
 
 pytestmark = pytest.mark.slow
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+HELD_IN_TRIAL = "tune.in_trial:wait"
 
 
 def wait_for_running_trial(load_study, pid: int | None = None, timeout: float = 120.0):
@@ -49,7 +55,8 @@ def test_postgresql_workers_finish_exactly_the_requested_trials_and_outlive_a_de
     # can tell.
     with open(tmp_path / "worker.log", "wb") as log:
         command = [sys.executable, "-m", "xbn.cli", "tune", "--worker", "--params", str(params_file)]
-        stray = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        held = {**os.environ, FAULT_ENV: HELD_IN_TRIAL, FAULT_DIR_ENV: str(tmp_path)}
+        stray = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=held)
     try:
         lost = wait_for_running_trial(lambda: optuna.load_study(study_name="shared", storage=postgres_url),
                                       stray.pid)
@@ -72,8 +79,10 @@ def test_postgresql_workers_finish_exactly_the_requested_trials_and_outlive_a_de
     assert runs[lost.number].info.status == "FAILED"  # the dead worker's run, closed for it
 
 
-def test_workers_share_a_journal_and_a_killed_worker_costs_one_trial(project, tmp_path):
+def test_workers_share_a_journal_and_a_killed_worker_costs_one_trial(project, tmp_path, monkeypatch):
     params = project("tune.trials=4", "tune.epochs=2", "tracking.enabled=false")
+    monkeypatch.setenv(FAULT_ENV, HELD_IN_TRIAL)  # both workers wait in their first trial until released
+    monkeypatch.setenv(FAULT_DIR_ENV, str(tmp_path))
     result = {}
     coordinator = threading.Thread(target=lambda: result.update(tune(params, workers=2)))
     coordinator.start()
@@ -92,6 +101,7 @@ def test_workers_share_a_journal_and_a_killed_worker_costs_one_trial(project, tm
         lost = wait_for_running_trial(load_study)
         os.kill(int(lost.user_attrs[WORKER_ATTR].rpartition(":")[2]), signal.SIGKILL)
     finally:
+        (tmp_path / "tune.in_trial.release").touch()  # the other worker goes on
         coordinator.join(timeout=300)  # before the fixture leaves tmp_path
     assert result, "the coordinator did not finish"
     trials = load_study().get_trials()

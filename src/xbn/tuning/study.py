@@ -40,6 +40,7 @@ from xbn.config import ConfigError, Params, flatten, load_params
 from xbn.tuning.space import SearchSpace, as_overrides
 from xbn.tuning.storage import StorageSpec, open_storage, study_lock
 from xbn.utils.errors import NonFiniteLossError
+from xbn.utils.faults import fault_point
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ class Objective:
         params = self.trial_params(trial.number, sampled)
         run = self.tracker.start_trial(trial.number, sampled, params) if self.tracker else None
         trial.set_user_attr(WORKER_ATTR, worker_id())  # who runs it: a journal's stand-in for heartbeats
+        fault_point("tune.in_trial")  # a worker killed mid-trial (tests/tuning/test_workers.py waits here)
         state, value = "FAIL", None
         try:
             summary = fit(params, progress=False, on_epoch=self._reporter(trial, run))
