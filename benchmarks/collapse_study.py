@@ -49,6 +49,9 @@ ARM_CHANGES = {
     "xbm_c_all_xs": "`xbm_c_all` with `memory.exclude_self=true`: an anchor never meets its own stored copy",
     "xbm*": "XBM + the minibatch loss (the miner's pairs, gradient not centred, as the shipped default)",
     "axbn*": "AXBN + the minibatch loss (otherwise the shipped default)",
+    # should the gradient be centred by default? (`grid_sop_arms.json` at batch 16, `grid_center.json` at 64)
+    "xbn*_c": "the shipped default with the memory loss's gradient centred (`memory.center_gradient: true`)",
+    "xbm*_c": "XBM + the minibatch loss, gradient centred",
 }
 # The arms the targets compare: `grid_fix.json`'s names, `grid_collapse.json`'s, then the unstarved arms of
 # `grid_omniglot_arms.json` (a grid holds one of each).
@@ -207,7 +210,8 @@ def best_small_over_large_none(grid: dict[str, Any], paired, small: int = 16, la
 GRID_NOTES = {
     "grid_collapse": "`memory.center_gradient: true` and `loss.no_positive: all_pairs` in every memory arm, `xbn*` "
                      "included (the defaults at the commit the grid ran). `memory.center_gradient` is off by "
-                     "default since: `xbn*` lost to `none` here with it.",
+                     "default for XBN and AXBN since: `xbn*` lost to `none` here with it (`auto`, the default, centres XBM and the "
+                     "oracle only: `grid_sop_arms.json` and `grid_center.json`).",
     "grid_fix": "The shipped default `xbn*` as shipped (gradient not centred), and the memory loss alone with the "
                 "gradient centred (`_c`: without it XBM and the oracle contract onto one point, as above); "
                 "`loss.no_positive: all_pairs` everywhere. On another machine than `grid_collapse.json`, so no run is "
@@ -236,7 +240,12 @@ GRID_NOTES = {
                      "no memory there once the miner cannot starve it, and does a memory with no drift? Then "
                      "`xbm_c_all_xs` (`--resume`, at the next commit, which only added results): is an anchor's "
                      "own stored copy what it costs? Then each memory with the minibatch loss beside it, as "
-                     "shipped (`xbn*`, `xbm*`, `axbn*`; `--resume` at the commit after, results only again).",
+                     "shipped (`xbn*`, `xbm*`, `axbn*`; `--resume` at the commit after, results only again). "
+                     "Then the same two with the memory loss's gradient centred (`xbn*_c`, `xbm*_c`; `--resume` "
+                     "at a later commit whose changes since touch no training code).",
+    "grid_center": "Should the memory loss's gradient be centred by default? At the shipped batch of 64 on the "
+                   "product-search-like split, 5 seeds, one commit and machine: the shipped default (`xbn*`) and "
+                   "XBM with the minibatch loss (`xbm*`), each as shipped and centred (`_c`), beside `none`.",
     "grid_all_omniglot5": "`grid_all_omniglot.json`'s finding on 5 seeds, on another machine (an AVX2 EPYC) and "
                           "commit: XBM's memory loss alone with every pair against the memory (centred, "
                           "`xbm_c_all`) against `none`, on Omniglot at batch 16, all at one commit on one machine.",
@@ -273,7 +282,11 @@ PROBE_CONTRASTS = {
     "grid_omniglot_arms": (("oracle_c_all", "xbm_c_all", "what drift costs XBM: the drift-free memory − XBM"),
                            ("axbn_c_all", "xbn_c_all", "AXBN − XBN")),  # XBN − XBM: the target's line
     "grid_sop_arms": (("oracle_c_all", "xbm_c_all", "what drift costs XBM: the drift-free memory − XBM"),
-                      ("xbm_c_all_xs", "xbm_c_all", "what an anchor's own stored copy costs XBM: without − with")),
+                      ("xbm_c_all_xs", "xbm_c_all", "what an anchor's own stored copy costs XBM: without − with"),
+                      ("xbn*_c", "xbn*", "centring the shipped default's memory gradient: centred − as shipped"),
+                      ("xbm*_c", "xbm*", "centring XBM's memory gradient, minibatch loss beside: centred − not")),
+    "grid_center": (("xbn*_c", "xbn*", "centring the shipped default's memory gradient: centred − as shipped"),
+                    ("xbm*_c", "xbm*", "centring XBM's memory gradient, minibatch loss beside: centred − not")),
 }
 
 

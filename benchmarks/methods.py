@@ -28,11 +28,13 @@ PACKAGES = ("torch", "timm", "pytorch-metric-learning", "faiss-cpu", "dvc")
 # `+key=value` adds one (`-S loss.miner_params={}` would keep pos_margin/neg_margin).
 PROXY = ["~loss.params.temperature", "loss.miner=null", "memory.method=none"]  # the loss's own defaults
 NO_MARGINS = ["~loss.miner_params.pos_margin", "~loss.miner_params.neg_margin"]
+# XBM as measured before `memory.center_gradient: auto` centred it (issue 52): its rows keep their meaning.
+UNCENTRED = "memory.center_gradient=false"
 # (name, what it is, overrides of the committed params.yaml). `axbn` is the default: no override.
 METHODS: list[tuple[str, str, list[str]]] = [
     ("none", "no memory", ["memory.method=none"]),
-    ("xbm", "cross-batch memory (Wang et al. 2020)", ["memory.method=xbm"]),
-    ("xbm*", "XBM + minibatch loss", ["memory.method=xbm", "memory.add_batch_loss=true"]),
+    ("xbm", "cross-batch memory (Wang et al. 2020)", ["memory.method=xbm", UNCENTRED]),
+    ("xbm*", "XBM + minibatch loss", ["memory.method=xbm", "memory.add_batch_loss=true", UNCENTRED]),
     ("xbn", "XBN (seed 000, Eq. 6)", ["memory.method=xbn"]),
     ("axbn", "AXBN, Kalman (seed 000; the default)", []),
     ("ema", "EMA of the batch moments (seed 000, App. C)", ["memory.method=ema"]),
@@ -42,7 +44,7 @@ METHODS: list[tuple[str, str, list[str]]] = [
     ("axbn_tuned", "AXBN, r/q = 0.061, N = 100, memory 0.069 (xbn tune)", [
         "memory.kalman.q=1.0", "memory.kalman.r=0.0608", "memory.kalman.p0=10000.0",
         "memory.kalman.gain_interval=100", "memory.size=0.0692"]),
-    ("xbm_small", "XBM, memory 0.069 of the training set", ["memory.method=xbm", "memory.size=0.0692"]),
+    ("xbm_small", "XBM, memory 0.069 of the training set", ["memory.method=xbm", "memory.size=0.0692", UNCENTRED]),
     ("xbn_small", "XBN, memory 0.069 of the training set", ["memory.method=xbn", "memory.size=0.0692"]),
     ("axbn_auto", "AXBN, noise estimated online", ["memory.method=axbn_auto"]),
     ("normsoftmax", "NormSoftmax, no memory", ["loss.name=NormalizedSoftmaxLoss", *PROXY]),

@@ -169,3 +169,34 @@ def test_memory_mine_false_takes_every_pair_against_the_memory_and_keeps_the_min
         losses.append(float(crit(batch, torch.arange(CLASSES).repeat_interleave(PER_CLASS))))
     # Against the memory, every pair (as with no miner at all); the miner's few hard pairs give another loss.
     assert losses[1] == pytest.approx(losses[2], rel=1e-6) and losses[0] != pytest.approx(losses[1], rel=1e-3)
+
+
+@pytest.mark.parametrize(("method", "setting", "centred"), [
+    ("xbm", "auto", True), ("oracle", "auto", True), ("xbn", "auto", False), ("axbn", "auto", False),
+    ("ema", "auto", False), ("axbn_auto", "auto", False), ("xbm", "false", False), ("xbn", "true", True)])
+def test_auto_centres_the_memory_whose_rows_are_stored_as_written(method, setting, centred):
+    """`memory.center_gradient: auto` (the default): XBM's and the oracle's rows are stored as written, and
+    uncentred XBM with the minibatch loss collapsed at batch 16 (docs/method.md); the mapped methods keep their
+    gradient. An explicit true or false is taken as it is."""
+    from xbn.memory.methods import centred_by_default
+
+    crit = criterion(method, "all_pairs", f"memory.center_gradient={setting}")
+    assert crit.memory.center_gradient is centred
+    memory = load_params(None, [f"memory.method={method}", f"memory.center_gradient={setting}"]).memory
+    assert memory.centred is centred  # what the model card says it trained with
+    if setting == "auto" and method != "oracle":  # the library's rule is the pipeline's (the oracle is xbn's own)
+        assert centred_by_default(method) is centred
+    default = load_params(None, [f"memory.method={method}"]).memory.center_gradient
+    assert default == "auto"  # params.yaml's own default, what a user who names only the method gets
+
+
+def test_the_library_centres_xbm_unless_told_and_leaves_the_mapped_methods_alone():
+    from pytorch_metric_learning.losses import ContrastiveLoss
+
+    from xbn import cross_batch_memory
+
+    assert cross_batch_memory(ContrastiveLoss(), 8, 32, "xbm").center_gradient is True
+    assert cross_batch_memory(ContrastiveLoss(), 8, 32, "xbn").center_gradient is False
+    assert cross_batch_memory(ContrastiveLoss(), 8, 32, "xbm", center_gradient=False).center_gradient is False
+    with pytest.raises(ValueError, match="center_gradient='yes'"):
+        cross_batch_memory(ContrastiveLoss(), 8, 32, "xbm", center_gradient="yes")

@@ -56,7 +56,8 @@ def running(app):
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{bound_port(server)}", timeout=30) as client:
+        # 120 s: a first search loads the model, and a loaded 2-core machine took over 30 s for one.
+        with httpx.Client(base_url=f"http://127.0.0.1:{bound_port(server)}", timeout=120) as client:
             yield client
     finally:
         server.should_exit = True

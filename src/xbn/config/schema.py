@@ -208,11 +208,20 @@ class MemoryConfig(Section):
     # oracle_every - 1 steps stale).
     oracle_every: int = Field(1, ge=1)
     # The memory loss's gradient, less its mean over the batch: the batch cannot move as one away from the
-    # stored rows, which cannot move back (issue 52: the memory's collapse).
-    center_gradient: bool = False
+    # stored rows, which cannot move back (issue 52: the memory's collapse). auto: on where the rows are stored
+    # as written (xbm, oracle), off where they are mapped onto the batch's moments (`centred`).
+    center_gradient: Literal["auto"] | bool = Field("auto", union_mode="left_to_right")
     # The miner also picks the pairs taken against the memory; false: all pairs against the memory, the miner on
     # the minibatch loss only. A margin miner over thousands of stored rows keeps only the hardest few (issue 52).
     mine: bool = True
+
+    @property
+    def centred(self) -> bool:
+        """`center_gradient` resolved for this method. `auto` is the library's rule (xbn.memory.methods'
+        CENTRED_BY_DEFAULT; a test keeps the two alike), the oracle's memory being XBM's."""
+        if self.center_gradient == "auto":
+            return self.method in ("xbm", "oracle")
+        return bool(self.center_gradient)
 
     @model_validator(mode="after")
     def _size_is_count_or_fraction(self):

@@ -158,7 +158,7 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
               "", "## Key params", *(f"- `{k}`: {flat[k]}" for k in KEY_PARAMS if k in flat),
               f"- loss: {trained.loss_composition}",
               *([DEPARTURE] if trained.memory.method != "none" and trained.memory.add_batch_loss else []),
-              *([CENTRED] if trained.memory.method != "none" and trained.memory.center_gradient else []),
+              *([CENTRED] if trained.memory.method != "none" and trained.memory.centred else []),
               f"- starting weights: {weights_line(trained)}",
               f"- params hash: `{version.tags.get('params_hash')}`",
               f"- git commit: `{summary['tags'].get('git_commit', 'unknown')}`",

@@ -215,7 +215,7 @@ def build_criterion(params: Params, num_train_images: int, train_labels=None,
         memory = cross_batch_memory(
             loss, params.model.embedding_dim, rows, "xbm" if m.method == "oracle" else m.method, memory_miner,
             kalman=m.kalman.model_dump(), ema_momentum=m.ema_momentum, innovation_momentum=m.innovation_momentum,
-            exclude_self=m.exclude_self, attach_batch=m.attach_batch, center_gradient=m.center_gradient,
+            exclude_self=m.exclude_self, attach_batch=m.attach_batch, center_gradient=m.centred,
             no_positive=params.loss.no_positive)
     return Criterion(loss, miner, memory, memory_start_iteration(params, steps), params.memory.add_batch_loss,
                      mpn_loss=build_mpn_loss(params, train_labels), no_positive=params.loss.no_positive)
