@@ -210,8 +210,8 @@ def best_small_over_large_none(grid: dict[str, Any], paired, small: int = 16, la
 GRID_NOTES = {
     "grid_collapse": "`memory.center_gradient: true` and `loss.no_positive: all_pairs` in every memory arm, `xbn*` "
                      "included (the defaults at the commit the grid ran). `memory.center_gradient` is off by "
-                     "default for XBN and AXBN since: `xbn*` lost to `none` here with it (`auto`, the default, centres XBM and the "
-                     "oracle only: `grid_sop_arms.json` and `grid_center.json`).",
+                     "default for XBN and AXBN since: `xbn*` lost to `none` here with it (`auto`, the default, "
+                     "centres XBM and the oracle only: `grid_sop_arms.json` and `grid_center.json`).",
     "grid_fix": "The shipped default `xbn*` as shipped (gradient not centred), and the memory loss alone with the "
                 "gradient centred (`_c`: without it XBM and the oracle contract onto one point, as above); "
                 "`loss.no_positive: all_pairs` everywhere. On another machine than `grid_collapse.json`, so no run is "
@@ -244,7 +244,7 @@ GRID_NOTES = {
                      "Then the same two with the memory loss's gradient centred (`xbn*_c`, `xbm*_c`; `--resume` "
                      "at a later commit whose changes since touch no training code).",
     "grid_center": "Should the memory loss's gradient be centred by default? At the shipped batch of 64 on the "
-                   "product-search-like split, 5 seeds, one commit and machine: the shipped default (`xbn*`) and "
+                   "product-search-like split, then on Omniglot (`--resume`), 5 seeds, one commit and machine: the shipped default (`xbn*`) and "
                    "XBM with the minibatch loss (`xbm*`), each as shipped and centred (`_c`), beside `none`.",
     "grid_all_omniglot5": "`grid_all_omniglot.json`'s finding on 5 seeds, on another machine (an AVX2 EPYC) and "
                           "commit: XBM's memory loss alone with every pair against the memory (centred, "

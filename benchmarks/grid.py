@@ -47,7 +47,8 @@ PACKAGES = ("torch", "timm", "pytorch-metric-learning", "faiss-cpu", "numpy")
 # name -> params overrides (everything else is params.yaml's shipped default).
 METHODS: dict[str, list[str]] = {
     "none": ["memory.method=none"],
-    # XBM as measured before `memory.center_gradient: auto` centred it (issue 52): its name keeps its results' meaning.
+    # XBM as measured before `memory.center_gradient: auto` centred it (issue 52): the name keeps its results'
+    # meaning.
     "xbm": ["memory.method=xbm", "memory.center_gradient=false"],
     "xbm*": ["memory.method=xbm", "memory.add_batch_loss=true", "memory.center_gradient=false"],
     "xbn": ["memory.method=xbn"],

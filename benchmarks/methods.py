@@ -44,7 +44,8 @@ METHODS: list[tuple[str, str, list[str]]] = [
     ("axbn_tuned", "AXBN, r/q = 0.061, N = 100, memory 0.069 (xbn tune)", [
         "memory.kalman.q=1.0", "memory.kalman.r=0.0608", "memory.kalman.p0=10000.0",
         "memory.kalman.gain_interval=100", "memory.size=0.0692"]),
-    ("xbm_small", "XBM, memory 0.069 of the training set", ["memory.method=xbm", "memory.size=0.0692", UNCENTRED]),
+    ("xbm_small", "XBM, memory 0.069 of the training set",
+     ["memory.method=xbm", "memory.size=0.0692", UNCENTRED]),
     ("xbn_small", "XBN, memory 0.069 of the training set", ["memory.method=xbn", "memory.size=0.0692"]),
     ("axbn_auto", "AXBN, noise estimated online", ["memory.method=axbn_auto"]),
     ("normsoftmax", "NormSoftmax, no memory", ["loss.name=NormalizedSoftmaxLoss", *PROXY]),

@@ -97,7 +97,8 @@ DRIFT_ARMS = {
     "none": ["memory.method=none"],
     "xbm": ["memory.method=xbm", UNCENTRED, *MEMORY_ALONE],
     "xbn": ["memory.method=xbn", *MEMORY_ALONE],
-    "oracle": ["memory.method=oracle", UNCENTRED, *MEMORY_ALONE],  # + memory.oracle_every from the turnover (`overrides`)
+    # + memory.oracle_every from the turnover (`overrides`)
+    "oracle": ["memory.method=oracle", UNCENTRED, *MEMORY_ALONE],
     "xbn_exclude_self": ["memory.method=xbn", "memory.exclude_self=true", *MEMORY_ALONE],
     "xbn_half": ["memory.method=xbn", "memory.size=0.5", *MEMORY_ALONE],
     # Late: the short schedule has 4 x 32 (batch 64) to 4 x 128 (batch 16) steps after the warm-up, fewer than

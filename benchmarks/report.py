@@ -787,7 +787,8 @@ def main(argv: list[str] | None = None) -> Path:
     if mechanism or grids:  # section 15: issue 52's collapse of the memory
         from benchmarks import collapse_study
 
-        probes = [d for name in ("grid_all_omniglot", "grid_all_omniglot5", "grid_all_b64", "grid_center") if (d := _load(name))]
+        probes = [d for name in ("grid_all_omniglot", "grid_all_omniglot5", "grid_all_b64", "grid_center")
+                  if (d := _load(name))]
         text, found = collapse_study.render(mechanism, grids, _header, paired_difference, probes)
         # Each target names its grid, whose machine it was measured on (one grid per dataset stands).
         found = [t for data in grids for t in verdict_summary.annotate(

@@ -184,7 +184,7 @@ def test_auto_centres_the_memory_whose_rows_are_stored_as_written(method, settin
     assert crit.memory.center_gradient is centred
     memory = load_params(None, [f"memory.method={method}", f"memory.center_gradient={setting}"]).memory
     assert memory.centred is centred  # what the model card says it trained with
-    if setting == "auto" and method != "oracle":  # the library's rule is the pipeline's (the oracle is xbn's own)
+    if setting == "auto" and method != "oracle":  # the library's rule is the pipeline's (the oracle is the trainer's)
         assert centred_by_default(method) is centred
     default = load_params(None, [f"memory.method={method}"]).memory.center_gradient
     assert default == "auto"  # params.yaml's own default, what a user who names only the method gets
