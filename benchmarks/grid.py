@@ -51,6 +51,8 @@ METHODS: dict[str, list[str]] = {
     # meaning.
     "xbm": ["memory.method=xbm", "memory.center_gradient=false"],
     "xbm*": ["memory.method=xbm", "memory.add_batch_loss=true", "memory.center_gradient=false"],
+    # What params.yaml ships since issue 52: XBM with the minibatch loss, its memory loss's gradient centred.
+    "xbm*_c": ["memory.method=xbm", "memory.add_batch_loss=true", "memory.center_gradient=true"],
     "xbn": ["memory.method=xbn"],
     "axbn": ["memory.method=axbn"],  # seed 000's p0 = 1, q = 1, r = 0.01, N = 100 (the shipped values)
     # Issue 45: the drift-corrected memories with the minibatch loss added, as the official XBM code always does
@@ -387,6 +389,11 @@ def plot(result: dict[str, Any], path: Path, methods: list[str] | None = None) -
     return path
 
 
+def _settings(overrides: list[str]) -> dict[str, str]:
+    """KEY=VALUE overrides as what they set, the last one of a key winning (as `xbn --set` applies them)."""
+    return dict(o.split("=", 1) for o in overrides)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--datasets", nargs="+", choices=list(DATASETS), default=["glyphs", "omniglot"])
     parser.add_argument("--methods", nargs="+", help=f"default: {' '.join(GRID_METHODS)} (a regime's: all its own)")
@@ -420,10 +427,13 @@ def main(argv: list[str]) -> int:
     table = dict(regime.methods if regime else METHODS)
     arms: dict[str, tuple[str, list[str]]] = {}  # --arm NAME BASE KEY=VALUE...: NAME -> (BASE, its overrides)
     for name, *rest in args.arms:
-        if not rest or rest[0] not in table or name in table:
+        if not rest or rest[0] not in table:
             parser.error(f"--arm {name}: needs a new name and a base arm (one of {', '.join(table)})")
         if bad := [o for o in rest[1:] if "=" not in o]:
             parser.error(f"--arm {name}: {', '.join(bad)} is not KEY=VALUE")
+        # A name already in the table only as itself (a results file's command, from before the arm was named).
+        if name in table and _settings(table[name]) != _settings([*table[rest[0]], *rest[1:]]):
+            parser.error(f"--arm {name}: the name is taken by another arm ({' '.join(table[name])})")
         arms[name] = (rest[0], rest[1:])
         table[name] = [*table[rest[0]], *rest[1:]]
     output = "grid" + (f"_{args.regime}" if regime else "") + ("_quick" if args.quick else "")

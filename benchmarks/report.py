@@ -582,11 +582,14 @@ PROMISE_MARGIN = 0.02  # issue 13: the shipped default beats memory.method=none 
 
 
 def shipped_method() -> str:
-    """The grid's name for what params.yaml ships: the memory method, with `*` when the minibatch loss is added."""
+    """The grid's name for what params.yaml ships: the memory method, with `*` when the minibatch loss is added
+    and `_c` when the memory loss's gradient is centred (benchmarks.grid's METHODS: `xbm*_c`)."""
     from xbn.config import load_params
 
     memory = load_params(REPO / "params.yaml").memory
-    return memory.method + ("*" if memory.add_batch_loss and memory.method != "none" else "")
+    if memory.method == "none":
+        return "none"
+    return memory.method + ("*" if memory.add_batch_loss else "") + ("_c" if memory.centred else "")
 
 
 def promise_section(data: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:

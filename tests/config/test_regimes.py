@@ -27,7 +27,8 @@ def test_every_regime_run_loads_as_valid_params(regime, method, quick):
     batch = f"train.batch_size={REGIMES[regime].batches[0]}"  # the grid sets the regime's batch
     params = load_params(ROOT / "params.yaml", [*GRID_SCALE, batch, *REGIMES[regime].overrides(method, 9, quick)])
     if regime == "refine":  # the refiner on top of the shipped pipeline, T = 8 blocks and k = 8 (the paper's)
-        assert params.memory.method == "xbn" and (params.refine.blocks, params.refine.k) == (8, 8)
+        shipped = load_params(ROOT / "params.yaml").memory
+        assert params.memory == shipped and (params.refine.blocks, params.refine.k) == (8, 8)
         assert params.refine.enabled == (method != "plain")
         if method != "plain":
             assert params.refine.views_augment == ("light" if method == "refined_light" else "full")

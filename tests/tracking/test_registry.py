@@ -131,10 +131,11 @@ def test_register_twice_shows_the_interval_in_report_review_and_model_card(param
     assert "## Promotion gate" in card and f"{interval} vs champion v1" in card
     assert "| recall@1 * | 1.0000 | 1.0000 | +0.0000 |" in card  # on val, both models
     assert "## Test metrics (reporting only)" in card
-    # The trained loss, and where it departs from the paper (memory + the minibatch loss: the shipped default)
-    assert "- loss: SupConLoss against the xbn memory + SupConLoss on the minibatch" in card
-    assert "- departs from seed 000's XBN" in card
-    assert "memory.center_gradient" not in card  # off by default: the card names it only when it trained with it
+    # The trained loss (the shipped default: XBM, centred, + the minibatch loss, as the official XBM code), its
+    # notes (model_card.loss_notes: tests/tracking/test_model_card_notes.py) and where its evidence is.
+    assert "- loss: SupConLoss against the xbm memory + SupConLoss on the minibatch" in card
+    assert "- departs from seed 000's XBN" not in card and "(`memory.center_gradient`)" in card
+    assert "README, \"Does the memory help?\"" in card
     # The gate's bootstrap distribution is drawn on the challenger's run and linked from its card.
     client = MlflowClient(params.tracking.uri)
     assert "plots/gate_bootstrap.png" in [f.path for f in client.list_artifacts(v2.run_id, "plots")]

@@ -146,12 +146,12 @@ def test_resume_refuses_a_checkpoint_trained_with_other_params(tiny_params):
     from xbn.config import ConfigError
 
     prepare(tiny_params())
-    _checkpoint_of(tiny_params("train.seed=7", "memory.method=xbm"))
+    _checkpoint_of(tiny_params("train.seed=7", "memory.method=xbn"))
     trainer = Trainer(tiny_params(), progress=False)
     with pytest.raises(ValueError, match="trained with other params: 2 key") as caught:
         trainer.resume()
     message = str(caught.value)
-    assert "memory.method: 'xbm' in the checkpoint, 'xbn' now" in message
+    assert "memory.method: 'xbn' in the checkpoint, 'xbm' now" in message
     assert "train.seed: 7 in the checkpoint, 0 now" in message
     assert isinstance(caught.value, ConfigError) and trainer.epoch == 0  # nothing was loaded
 

@@ -169,7 +169,7 @@ def test_a_budget_under_four_classes_is_refused_naming_it():
 
 
 def test_max_batch_size_adds_the_batch_to_the_space_and_every_choice_is_valid(tmp_path):
-    path = params_with_space(tmp_path, {"memory.method": {"type": "categorical", "choices": ["none", "xbn"]}},
+    path = params_with_space(tmp_path, {"memory.method": {"type": "categorical", "choices": ["none", "xbm", "xbn"]}},
                              max_batch_size=64)
     base = load_params(path)
     space = SearchSpace.from_config(base.tune, base.train.samples_per_class)

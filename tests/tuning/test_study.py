@@ -39,7 +39,7 @@ def test_a_study_tunes_on_the_validation_split_and_writes_mergeable_values(proje
     trials = study.get_trials()
     assert [t.number for t in trials] == [0, 1, 2] and all(t.state in FINISHED for t in trials)
     assert trials[0].user_attrs[BASELINE_ATTR] and trials[0].params == {
-        "memory.method": "xbn", "memory.size": 1.0, "memory.add_batch_loss": True, LAMBDA: 0.01,
+        "memory.method": "xbm", "memory.size": 1.0, "memory.add_batch_loss": True, LAMBDA: 0.01,
         "memory.kalman.gain_interval": 100}
     assert all(set(t.intermediate_values) == {1} for t in trials)  # epoch 1 reported (the one epoch)
     complete = [t for t in trials if t.state == TrialState.COMPLETE]

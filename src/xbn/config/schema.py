@@ -182,7 +182,7 @@ class KalmanConfig(Section):
 
 
 class MemoryConfig(Section):
-    method: MemoryMethod = "xbn"
+    method: MemoryMethod = "xbm"  # params.yaml's (issue 52: README, "Does the memory help?")
     # <= 1: a fraction of the training set; > 1: an absolute number of rows.
     size: float = Field(1.0, gt=0.0)
     # When the memory joins the loss: after the head warm-up (seed 000 Sec. 5.1: the warm-up is plain SupCon on
@@ -536,7 +536,7 @@ class TuneConfig(Section):
     # Dotted params keys; any key of the schema can be added (a typo is refused by name). The default asks
     # whether a memory helps on this data at all (`none` is a choice), and AXBN's lambda around seed 000's 0.01.
     space: dict[str, Dimension] = Field(default_factory=lambda: {
-        "memory.method": TuneConfig.Dimension(type="categorical", choices=["none", "xbn", "axbn", "axbn_auto"]),
+        "memory.method": TuneConfig.Dimension(type="categorical", choices=["none", "xbm", "xbn", "axbn", "axbn_auto"]),
         "memory.size": TuneConfig.Dimension(type="float", low=0.05, high=1.0),
         "memory.add_batch_loss": TuneConfig.Dimension(type="categorical", choices=[False, True]),
         LAMBDA_KEY: TuneConfig.Dimension(type="float", low=1e-4, high=1e4, log=True),

@@ -53,6 +53,20 @@ CENTRED = ("- the memory loss's gradient is centred over the batch (`memory.cent
            "not do: without it the batch ran from the stored rows as one and collapsed (docs/benchmarks.md, "
            "section 15)")
 
+# Issue 52: where the card's reader finds whether the memory it trained with helps, measured against no memory.
+EVIDENCE = ("- whether this memory helps, measured against no memory over 5 seeds: README, \"Does the memory "
+            "help?\" (docs/benchmarks.md, sections 0 and 15)")
+
+
+def loss_notes(trained: Params) -> list[str]:
+    """The model card's notes on the trained loss: where it departs from the paper it cites (the minibatch loss
+    added to the XBN family's; the official XBM code adds it too), the centred gradient, and the evidence."""
+    memory = trained.memory
+    if memory.method == "none":
+        return []
+    return [*([DEPARTURE] if memory.add_batch_loss and memory.method not in ("xbm", "oracle") else []),
+            *([CENTRED] if memory.centred else []), EVIDENCE]
+
 
 def review_table(params: Params, champion: ModelVersionInfo | None, other: ModelVersionInfo | None,
                  other_title: str) -> str:
@@ -157,8 +171,7 @@ def model_card(params: Params, version: ModelVersionInfo, champion: ModelVersion
               f"`{version.tags.get('data_hash')}`{same}."), "", *data_lines(version),
               "", "## Key params", *(f"- `{k}`: {flat[k]}" for k in KEY_PARAMS if k in flat),
               f"- loss: {trained.loss_composition}",
-              *([DEPARTURE] if trained.memory.method != "none" and trained.memory.add_batch_loss else []),
-              *([CENTRED] if trained.memory.method != "none" and trained.memory.centred else []),
+              *loss_notes(trained),
               f"- starting weights: {weights_line(trained)}",
               f"- params hash: `{version.tags.get('params_hash')}`",
               f"- git commit: `{summary['tags'].get('git_commit', 'unknown')}`",
