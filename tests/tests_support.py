@@ -90,8 +90,9 @@ def fresh_environment(venv: Path, with_pip: bool = False, requirements: list[str
     import sysconfig
 
     here = Path(sysconfig.get_paths()["purelib"])
-    pip = with_pip or requirements is not None
-    subprocess.run([sys.executable, "-m", "venv", *([] if pip else ["--without-pip"]), str(venv)], check=True)
+    # The requirements go in with this environment's pip (`pip --python`): the venv's own would cost an
+    # ensurepip for nothing the test checks.
+    subprocess.run([sys.executable, "-m", "venv", *([] if with_pip else ["--without-pip"]), str(venv)], check=True)
     python = venv / "bin" / "python"
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True).stdout.strip())
@@ -107,8 +108,10 @@ def fresh_environment(venv: Path, with_pip: bool = False, requirements: list[str
     missing = subprocess.run([str(python), "-c", "import xbn"], capture_output=True, text=True, cwd=venv)
     assert missing.returncode != 0 and "No module named 'xbn'" in missing.stderr, missing.stderr
     if requirements is not None:  # xbn's own wheel may be one of them
-        done = subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q",
-                               *requirements], capture_output=True, text=True, timeout=900)
+        # --no-compile: the bytecode of every installed module is written as it is first imported instead
+        done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install",
+                               "--disable-pip-version-check", "--no-compile", "-q", *requirements],
+                              capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
     return python
 

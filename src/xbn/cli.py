@@ -324,11 +324,14 @@ class Report(NamedTuple):
     data: Any
 
 
-def _print_result(result: Report | dict, args) -> None:
+def _print_result(result: Report | dict | str, args) -> None:
     """The one rule of every command: `--json` prints the result as JSON; otherwise it is printed as text (a
-    stage's dict: its JSON, also in the file the stage wrote) unless `-q`. Only rank 0 of a distributed run."""
+    stage's dict: its JSON, also in the file the stage wrote; a text, such as `registry review`'s table, as it
+    is) unless `-q`. Only rank 0 of a distributed run."""
     if os.environ.get("RANK") not in (None, "0"):
         return
+    if isinstance(result, str):
+        result = Report(result, result)
     text, data = result if isinstance(result, Report) else (None, result)
     if args.json:
         print(json.dumps(data, indent=2, default=str))

@@ -63,6 +63,7 @@ def test_a_newcomer_runs_a_folder_dataset_end_to_end_from_their_own_folder(tmp_p
     review = xbn(work, "registry", "review")
     assert review.returncode == 0, review.stderr
     assert "folder:my-shapes" in review.stdout and "none" in review.stdout and "16 (4x4)" in review.stdout
+    assert review.stdout.startswith("xbn-embedder\n")  # the table itself, not a JSON string of it
 
     search = xbn(work, "search", str(data / "shape03" / "0.png"), "--k", "3")
     assert search.returncode == 0, search.stderr

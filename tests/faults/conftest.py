@@ -121,12 +121,13 @@ def loop(tmp_path_factory) -> Iterator[Loop]:
                   "--port", str(mlflow_port), "--workers", "1", "--allowed-hosts", "127.0.0.1,127.0.0.1:*"]
     mlflow_proc: list[subprocess.Popen] = []
 
-    def start_mlflow() -> None:
+    def start_mlflow(wait: bool = True) -> None:
         with mlflow_log.open("a") as out:
             proc = subprocess.Popen(mlflow_cmd, cwd=tmp, env=base, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         mlflow_proc[:] = [proc]
-        wait_http(f"http://127.0.0.1:{mlflow_port}/health", proc, mlflow_log, timeout=180)
+        if wait:
+            wait_http(f"http://127.0.0.1:{mlflow_port}/health", proc, mlflow_log, timeout=180)
 
     def stop_mlflow() -> None:
         stop(mlflow_proc[0])
@@ -140,11 +141,12 @@ def loop(tmp_path_factory) -> Iterator[Loop]:
                       "prefect.server.concurrency.lease_storage.filesystem"}
     proxy = receiver = worker = None
     try:
-        start_mlflow()
+        start_mlflow(wait=False)  # the two servers start side by side (each mostly waits on its migrations)
         with prefect_log.open("w") as out:
             procs.append(subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host",
                                            "127.0.0.1", "--port", str(prefect_port)], cwd=tmp, env=server_env,
                                           stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        wait_http(f"http://127.0.0.1:{mlflow_port}/health", mlflow_proc[0], mlflow_log, timeout=180)
         wait_http(f"{prefect_url}/health", procs[-1], prefect_log, timeout=180)
         proxy = LosingProxy(mlflow_port)
         receiver = NotificationReceiver()
@@ -186,11 +188,11 @@ def loop(tmp_path_factory) -> Iterator[Loop]:
             time.sleep(1)
         yield Loop(pg, proxy, f"http://127.0.0.1:{mlflow_port}", prefect_url, found[0]["id"], workdir, faults,
                    overrides, receiver, worker, worker_log, env, tmp, start_mlflow, stop_mlflow)
-    finally:
+    finally:  # nothing is asserted of the stack's own shutdown: 1 s of grace, then SIGKILL
         if worker is not None:
-            stop_worker(worker)
+            stop_worker(worker, grace=1)
         for proc in [*procs, *mlflow_proc]:
-            stop(proc)
+            stop(proc, grace=1)
         if proxy is not None:
             proxy.close()
         if receiver is not None:

@@ -81,9 +81,11 @@ def run_after(loop: Loop, case: str, began: float, faulted: dict, sent: int, ext
         row["announced_s"] = round(announced(loop, faulted, sent) - began, 1)
     run = loop.finish(loop.start(None, list(extra)))
     assert run["state_type"] == "COMPLETED", loop.failed(f"{case}: the next run ended {run['state_type']}")
+    checked = time.monotonic()
     state = assert_healthy(loop, extra)
     record(loop, case, faulted_run=faulted["state_name"], start_to_detected_s=round(detected - began, 1),
-           next_run_s=round(run["total_run_time"], 1), **state, notifications=loop.messages_since(sent), **row)
+           next_run_s=round(run["total_run_time"], 1), health_check_s=round(time.monotonic() - checked, 1),
+           **state, notifications=loop.messages_since(sent), **row)
     return state
 
 
@@ -150,22 +152,30 @@ def case_postgres_restarted_mid_flow_while_xbn_retrain_is_refused(loop: Loop) ->
     assert len(titles) == 2 and titles[0].startswith("xbn retrain REFUSED") and titles[1].startswith("xbn: v3 ")
 
 
-def case_mlflow_down_30_s_mid_register_and_a_lost_create_response(loop: Loop) -> None:
-    """The MLflow server stops as the run reaches register and comes back 30 s later; then the proxy loses the
-    response to `model-versions/create` (the server registered it). The run waits out the outage
-    (tracking.outage_s), finds its version instead of creating a second one, and completes."""
+def case_mlflow_down_mid_register_and_a_lost_create_response(loop: Loop) -> None:
+    """The MLflow server stops as the run reaches register and is started again 5 s later (down for as long as it
+    takes to start, too); then the proxy loses the response to `model-versions/create` (the server registered
+    it). The run waits out the outage (tracking.outage_s), finds its version instead of creating a second one,
+    and completes."""
     sent, began = len(loop.receiver.messages), time.monotonic()
     run_id = loop.start("register.start:wait", ["train.seed=5"], force=True)
     loop.wait_reached("register.start", run_id)
+    logged = len(loop.worker_log.read_text(errors="replace"))
     loop.stop_mlflow()
+    stopped = time.monotonic()
     loop.release("register.start")
-    time.sleep(30)  # the outage itself, not a wait for a timing to land: the run must wait it out
+    time.sleep(5)  # the outage itself, not a wait for a timing to land: the run must wait it out
     loop.proxy.lose_next("/model-versions/create")
     loop.start_mlflow()
+    down = time.monotonic() - stopped
     faulted = loop.finish(run_id)
     assert faulted["state_type"] == "COMPLETED", loop.failed(f"after an MLflow outage: {faulted['state_type']}")
     assert loop.proxy.lost == ["/api/2.0/mlflow/model-versions/create"], loop.proxy.lost
-    state = run_after(loop, "MLflow down 30 s mid-register; create response lost", began, faulted, sent)
+    # The run met the outage: it said so while it waited (xbn.tracking.services.wait_reachable).
+    waited = loop.worker_log.read_text(errors="replace")[logged:]
+    assert "left of tracking.outage_s" in waited, loop.failed("the run never met the outage")
+    state = run_after(loop, "MLflow down mid-register; create response lost", began, faulted, sent,
+                      mlflow_down_s=round(down, 1))
     assert sorted(state["versions"]) == [1, 2, 3, 4]
     titles = loop.messages_since(sent)  # the verdict on v4 only: the outage and the lost answer were waited out
     assert len(titles) == 1 and titles[0].startswith("xbn: v4 "), titles
@@ -294,7 +304,7 @@ def case_the_catalogue_then_no_planted_secret_anywhere(loop: Loop) -> None:
 # test's --dist loadfile keeps the module on one worker). A case that fails does not stop the next.
 CASES = (case_killed_after_the_champion_alias_moved, case_killed_after_training, case_killed_after_create,
          case_postgres_restarted_mid_flow_while_xbn_retrain_is_refused,
-         case_mlflow_down_30_s_mid_register_and_a_lost_create_response,
+         case_mlflow_down_mid_register_and_a_lost_create_response,
          case_cut_dvc_files_and_a_foreign_rwlock, case_an_awaiting_version_with_a_tampered_checkpoint_is_abandoned,
          case_the_catalogue_then_no_planted_secret_anywhere)
 

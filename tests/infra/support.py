@@ -65,12 +65,12 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> No
     pytest.fail(f"{url} did not answer within {timeout:.0f} s:\n{tail(log)}")
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen, grace: float = 5) -> None:
     """Stop a server started with start_new_session=True: SIGTERM to its process group (the server and the
-    workers it forked), SIGKILL to what is left after 5 s."""
+    workers it forked), SIGKILL to what is left after `grace` seconds."""
     import signal
 
-    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -126,7 +126,7 @@ def flow_run(url: str, run_id: str) -> dict:
     return run
 
 
-def stop_worker(worker: subprocess.Popen) -> None:
+def stop_worker(worker: subprocess.Popen, grace: float = 5) -> None:
     """Stop the worker's process group, then any flow-run process it started (they run in their own session)."""
     import psutil
 
@@ -134,7 +134,7 @@ def stop_worker(worker: subprocess.Popen) -> None:
         children = psutil.Process(worker.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         children = []
-    stop(worker)
+    stop(worker, grace)
     for child in children:
         try:
             child.kill()

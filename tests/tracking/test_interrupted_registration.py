@@ -143,22 +143,6 @@ def test_a_second_version_of_the_same_model_is_marked_a_duplicate_and_the_first_
     assert registry.get(again.version).tags["decision"] == "duplicate" and registry.by_alias("champion").version == 1
 
 
-def test_the_next_run_completes_an_interrupted_registration_whatever_it_then_trains(params, tmp_path):
-    # The retrain flow's first step after its checks: a new training has another sha, so its own register
-    # would never meet the interrupted version.
-    from xbn.stages.register import complete_interrupted
-
-    run_pipeline(params, seed=0, blind=True)
-    next_model(params, seed=1)
-    killed_register(params, tmp_path, "register.after_create")
-    write_model(params, seed=7)  # this week's training: another model
-    reports = complete_interrupted(params)
-    assert [(r["version"], r["decision"], r.get("completed")) for r in reports] == [(2, "promoted", True)]
-    after = state(params)
-    assert after["champion"] == 2 and after["versions"][2]["registration"] == "done" and after["descriptions"][2]
-    assert complete_interrupted(params) == []
-
-
 def test_a_champion_without_a_servable_index_is_found_and_indexed_from_its_own_checkpoint(params):
     # Issue 40 item 1: a run killed (or failed) between the promotion and the index left a champion that a
     # restarted `xbn serve` answers 503 for, and the next week's plan said "no change". The check reads only
@@ -190,10 +174,11 @@ def test_the_loops_repair_completes_a_killed_registration_whatever_trains_next(p
     killed_register(params, tmp_path, "register.after_create")
     next_model(params, seed=2)  # what the next run trained meanwhile
     assert Registry(params).get(2).tags["registration"] == "created"
-    repaired = repair(params)
+    repaired = repair(params)  # its first step, complete_interrupted, is what the retrain flow's task runs
     # v2, promoted, is champion; these tests register without an index, so the repair attaches one too.
     assert [r.title for r in repaired] == ["xbn: v2 registration completed", "xbn: champion v2 index repaired"]
     assert "completed the interrupted registration of xbn-embedder v2" in repaired[0].line
     after = state(params)
     assert after["versions"][2]["registration"] == "done" and after["descriptions"][2]
+    assert after["versions"][2]["decision"] == "promoted" and after["history"] == [("gate", None, 1), ("gate", 1, 2)]
     assert repair(params) == []  # nothing left to repair

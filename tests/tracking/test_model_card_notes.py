@@ -5,8 +5,8 @@ points at the evidence for its method."""
 from __future__ import annotations
 
 import pytest
-
 from tests_support import ROOT
+
 from xbn.config import load_params
 from xbn.stages.model_card import CENTRED, DEPARTURE, EVIDENCE, loss_notes
 
