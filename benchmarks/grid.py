@@ -428,7 +428,7 @@ def main(argv: list[str]) -> int:
     arms: dict[str, tuple[str, list[str]]] = {}  # --arm NAME BASE KEY=VALUE...: NAME -> (BASE, its overrides)
     for name, *rest in args.arms:
         if not rest or rest[0] not in table:
-            parser.error(f"--arm {name}: needs a new name and a base arm (one of {', '.join(table)})")
+            parser.error(f"--arm {name}: needs a base arm (one of {', '.join(table)})")
         if bad := [o for o in rest[1:] if "=" not in o]:
             parser.error(f"--arm {name}: {', '.join(bad)} is not KEY=VALUE")
         # A name already in the table only as itself (a results file's command, from before the arm was named).
