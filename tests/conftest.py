@@ -15,6 +15,9 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # its thread races cl
 # to the backend store; xbn runs no MLflow jobs. Beside the other PostgreSQL users of a run (the tuning workers,
 # a Prefect server) they took the shared server past its 100 connections ("sorry, too many clients already").
 os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+# Every `dvc` command otherwise forks an analytics daemon (a Python process that imports DVC: 0.5 s of CPU each,
+# about 60 of them in a run of the suite).
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 # The bf16 fast paths (xbn.utils.cpu) are off unless a test turns them on: runs that tests compare across
 # processes must not differ by a probe. tests/evaluation/test_inference.py and the kNN tests pin both branches.
 os.environ.setdefault("XBN_CPU_BF16", "0")

@@ -249,8 +249,9 @@ def test_concurrent_first_requests_compile_once_and_agree(monkeypatch):
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    model, data_config = _small(2)
-    batches = [torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    # The model and batch shape of the test above: inductor's caches can serve this compile (one C++ build).
+    model, data_config = _small()
+    batches = [torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(i)) for i in range(6)]
     eager = served(model, data_config, 32, precision="float32", channels_last=False)
     compiled = served(model, data_config, 32, precision="float32", channels_last=False, compile=True)
     built = []

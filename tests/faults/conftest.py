@@ -112,7 +112,8 @@ def loop(tmp_path_factory) -> Iterator[Loop]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "XBN_"))}
     base |= {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PREFECT_HOME": str(tmp / "home"),
              "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "GX_ANALYTICS_ENABLED": "false",
-             "MLFLOW_DISABLE_TELEMETRY": "true"}
+             "MLFLOW_DISABLE_TELEMETRY": "true",
+             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # as compose: no job runner (its huey consumers)
 
     # MLflow, on the suite's PostgreSQL, artifacts served from a folder (s3:// in compose).
     mlflow_port, mlflow_log = free_port(), tmp / "mlflow.log"

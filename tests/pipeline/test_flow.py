@@ -61,6 +61,21 @@ def test_bad_data_fails_the_flow_without_retrying(prefect_harness, tmp_path, gly
     assert not Path("models/model.pt").exists()
 
 
+def test_a_misspelt_name_fails_the_flow_once_it_plans_to_train_before_validating(prefect_harness, tmp_path,
+                                                                                 glyph_root, monkeypatch):
+    """The flow resolves the params' names (loss, miner, backbone) only when its plan trains, so that a week with
+    nothing changed imports none of torch, pytorch-metric-learning and timm; a bad name still fails the run
+    before the data is validated or a model trained, naming the key, and is not retried."""
+    from xbn.config import ConfigError
+    from xbn.flows.retrain import retrain
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="loss.name"):
+        retrain(str(ROOT / "params.yaml"), [*TINY, f"data.root={glyph_root}", "loss.name=MultiSimilarityLos"])
+    assert Path("data/manifest.csv").exists()  # it had prepared the data: the check came after the plan
+    assert not Path("reports/validation.json").exists() and not Path("models/model.pt").exists()
+
+
 def test_a_retrain_refused_by_the_run_lock_is_reported_as_refused_not_failed(prefect_harness, tmp_path, receiver,
                                                                              monkeypatch):
     from prefect import flow

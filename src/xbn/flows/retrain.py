@@ -45,7 +45,7 @@ from xbn.flows.catalogue import catalogue as catalogue_flow
 from xbn.flows.tasks import TASK_OPTIONS
 from xbn.stages.data import snapshot_data as snapshot
 from xbn.stages.loop import RepairSteps, repair
-from xbn.stages.names import load_checked
+from xbn.stages.names import check_names, load_checked
 from xbn.stages.notify import notify
 from xbn.stages.prepare import prepare
 from xbn.stages.summary import summary_markdown
@@ -273,7 +273,9 @@ def retrain(params_path: str = "params.yaml", overrides: list[str] | None = None
     fix_malloc_thresholds()  # as `xbn` does: a Prefect worker runs this flow in a process of its own
     fault_point("retrain.start")
     overrides = list(overrides or [])
-    params = load_checked(params_path, overrides)
+    # The schema now; the names it gives (loss, miner, backbone: torch, pytorch-metric-learning and timm, seconds
+    # of imports in this fresh process) once the plan decides to train. A week where nothing changed needs none.
+    params = load_params(params_path, overrides)
     if params.tracking.enabled:
         from xbn.tracking import tracking_uri
         from xbn.tracking.services import check_reachable
@@ -317,6 +319,7 @@ def _retrain(params: Params, params_path: str, overrides: list[str], tune: bool 
                                  description="what this retraining did: nothing had changed")
         logger.info("registry: unchanged, champion v%s (%s)", decision["champion"], decision["reason"])
         return {"retrained": False, "plan": decision}
+    check_names(params)  # before any data is validated or trained on (a bad name is a ConfigError: not retried)
     validate_data(params)
     tuned: dict = {}
     if params.tune.enabled if tune is None else tune:
