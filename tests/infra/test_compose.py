@@ -178,6 +178,7 @@ def test_mlflow_server():
                         env["MLFLOW_BACKEND_STORE_URI"])
     assert env["MLFLOW_S3_ENDPOINT_URL"] == "http://minio:9000"
     assert "mlflow:5000" in env_example()["MLFLOW_ALLOWED_HOSTS"].split(",")
+    assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"  # no job runner: xbn submits no MLflow jobs
     # Issue 41: authenticated, nothing allowed that no grant names, secrets from the environment only.
     assert "--app-name=basic-auth" in mlflow["command"]
     ini = (INFRA / "mlflow/basic_auth.ini").read_text()
