@@ -19,6 +19,7 @@ from xbn.data.snapshot import check_versioning
 from xbn.flows import prefect_api
 from xbn.stages.catalogue import check_source, target_version
 from xbn.stages.data import restore_data, snapshot_data
+from xbn.stages.index import index, index_version
 from xbn.stages.init import init
 from xbn.stages.loop import ORDER as LOOP_ORDER
 from xbn.stages.loop import RepairSteps, repair
@@ -198,8 +199,6 @@ def _stage_tune(params: Params, args) -> dict:
 
 
 def _stage_index(params: Params, args) -> dict:
-    from xbn.stages.index import index, index_version
-
     if getattr(args, "model_version", None) is not None:  # `xbn run`'s chain has no such option
         return index_version(params, args.model_version)
     return index(params, append=args.append, shards=args.shards)

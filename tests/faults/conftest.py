@@ -113,7 +113,10 @@ def loop(tmp_path_factory) -> Iterator[Loop]:
     base |= {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PREFECT_HOME": str(tmp / "home"),
              "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "GX_ANALYTICS_ENABLED": "false",
              "MLFLOW_DISABLE_TELEMETRY": "true",
-             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # as compose: no job runner (its huey consumers)
+             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",  # as compose: no job runner (its huey consumers)
+             # The stack's own cache (in compose, the worker container's), not ~/.cache/xbn of whoever runs the
+             # suite: the flows' ONNX graphs and decoded images landed there, a new set every run.
+             "XBN_CACHE_DIR": str(tmp / "cache")}
 
     # MLflow, on the suite's PostgreSQL, artifacts served from a folder (s3:// in compose).
     mlflow_port, mlflow_log = free_port(), tmp / "mlflow.log"

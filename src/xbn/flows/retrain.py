@@ -44,6 +44,7 @@ from xbn.data.snapshot import DataSnapshot, check_versioning
 from xbn.flows.catalogue import catalogue as catalogue_flow
 from xbn.flows.tasks import TASK_OPTIONS
 from xbn.stages.data import snapshot_data as snapshot
+from xbn.stages.index import champion_index_problem, index, index_version
 from xbn.stages.loop import RepairSteps, repair
 from xbn.stages.names import check_names, load_checked
 from xbn.stages.notify import notify
@@ -118,16 +119,12 @@ def registration_of(params: Params, version: int) -> dict:
 @task(**TASK_OPTIONS)
 @masks_exceptions
 def check_champion_index(params: Params) -> dict | None:
-    from xbn.stages.index import champion_index_problem
-
     return champion_index_problem(params)
 
 
 @task(**TASK_OPTIONS)
 @masks_exceptions
 def index_champion(params: Params, version: int) -> dict:
-    from xbn.stages.index import index_version
-
     return index_version(params, version)  # from its own registered checkpoint: nothing is retrained
 
 
@@ -206,8 +203,6 @@ def register_model(params: Params, tags: dict) -> dict:
 @task(**TASK_OPTIONS)
 @masks_exceptions
 def index_catalogue(params: Params) -> dict:
-    from xbn.stages.index import index
-
     return _recorded("index", params, index)  # attached to the version just registered: it moves with it
 
 

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xbn.config import Params
-from xbn.serving.index import RECALL_K, index_source
-from xbn.serving.model import ServedModel, load_served_model
 from xbn.utils.faults import fault_point
 from xbn.utils.io import write_json
-from xbn.utils.runtime import resolve_device
+
+if TYPE_CHECKING:
+    from xbn.serving.model import ServedModel
+
+# The serving modules (faiss, torch, timm: seconds in a fresh process) are imported by the functions that embed:
+# `champion_index_problem` runs on every scheduled run, a nothing-changed one too, and needs only the registry.
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,9 @@ def local_model(params: Params) -> ServedModel:
     path = Path(params.train.checkpoint_dir) / "model.pt"
     if not path.exists():
         raise FileNotFoundError(f"no trained model at {path}: run `xbn train` first")
+    from xbn.serving.model import load_served_model
+    from xbn.utils.runtime import resolve_device
+
     return load_served_model(path, params.data.image_size, resolve_device(params.train.device),
                              **params.inference.model_dump())
 
@@ -55,6 +61,8 @@ def index(params: Params, append: bool = False, shards: list[str] | None = None,
     folder to the model's registry version. `shards`: embedding files of `xbn embed` (one per part of a
     catalogue too large for one machine) -> an on-disk IVF index instead (`xbn.serving.shards`). `model`:
     another model than models/model.pt (a registered version's, `index_version`)."""
+    from xbn.serving.index import RECALL_K, index_source
+
     if shards:
         from xbn.serving.shards import build_sharded, shards_model
 
@@ -113,7 +121,9 @@ def index_version(params: Params, version: int) -> dict[str, Any]:
     and attach it to that version: a champion's index rebuilt without retraining."""
     import tempfile
 
+    from xbn.serving.model import load_served_model
     from xbn.tracking import Registry
+    from xbn.utils.runtime import resolve_device
 
     registry = Registry(params)
     with tempfile.TemporaryDirectory(prefix="xbn-index-model-") as tmp:

@@ -24,6 +24,7 @@ from typing import Any
 
 from xbn.config import ConfigError, Params
 from xbn.data import DatasetError
+from xbn.stages.index import champion_index_problem, index_version
 from xbn.utils.errors import IntegrityError, NonFiniteLossError, ServiceUnavailableError
 from xbn.utils.locks import LockLost
 from xbn.utils.secrets import mask_error
@@ -93,15 +94,11 @@ def _registration(params: Params, version: int) -> dict:
 
 
 def _check_index(params: Params) -> dict | None:
-    from xbn.stages.index import champion_index_problem
-
     return champion_index_problem(params)
 
 
 @_retried
 def _attach_index(params: Params, version: int) -> Any:
-    from xbn.stages.index import index_version
-
     return index_version(params, version)
 
 

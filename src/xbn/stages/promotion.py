@@ -35,16 +35,12 @@ import numpy as np
 from xbn.config import Params, RegistryConfig
 from xbn.data import read_manifest
 from xbn.evaluation.bootstrap import bootstrap_means, percentile_interval
-from xbn.evaluation.engine import engined
-from xbn.evaluation.inference import choose_inference_mode
-from xbn.evaluation.metrics import retrieval_metrics
 from xbn.tracking import ModelVersionInfo, Registry
 from xbn.tracking.history import ChampionChange, append_history, read_history
 from xbn.tracking.registry import SHA_TAG
 from xbn.utils.errors import IntegrityError, RegistryError
 from xbn.utils.faults import fault_point
 from xbn.utils.io import file_digest
-from xbn.utils.runtime import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -243,9 +239,15 @@ class Gate:
 def score(params: Params, checkpoint: str | Path, image_size: int | None = None) -> SplitScores:
     """Embed `registry.gate_split` of the manifest with the embedder at `checkpoint` (at `image_size`, default
     `data.image_size`, normalised as the checkpoint records) and score it, per query too."""
+    # Imported here, not with the module: the registry's own steps (repair, plan, review) import this module on
+    # every scheduled run, and these bring torch and timm (seconds in a fresh process).
     from xbn.evaluation.embed import embed_protocol
+    from xbn.evaluation.engine import engined
+    from xbn.evaluation.inference import choose_inference_mode
+    from xbn.evaluation.metrics import retrieval_metrics
     from xbn.evaluation.served import model_engine
     from xbn.models import load_embedder
+    from xbn.utils.runtime import resolve_device
 
     cfg = params.registry
     device = resolve_device(params.train.device)
