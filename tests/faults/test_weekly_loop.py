@@ -101,7 +101,8 @@ def case_killed_after_the_champion_alias_moved(loop: Loop) -> None:
     state = run_after(loop, "SIGKILL after the champion alias moved", began, faulted, sent)
     assert state["versions"] == {1: "promoted"} and state["champion"] == 1
     assert loop.messages_since(sent) == [f"xbn retrain CRASHED: {faulted['name']}", "xbn: v1 registration completed"]
-    assert any((loop.home / "cache").iterdir()), "the flows did not use the stack's XBN_CACHE_DIR"
+    cache = loop.home / "cache"
+    assert cache.is_dir() and any(cache.iterdir()), "the flows did not use the stack's XBN_CACHE_DIR"
 
 
 def case_killed_after_training(loop: Loop) -> None:

@@ -64,8 +64,8 @@ def test_bad_data_fails_the_flow_without_retrying(prefect_harness, tmp_path, gly
 def test_a_misspelt_name_fails_the_flow_once_it_plans_to_train_before_validating(prefect_harness, tmp_path,
                                                                                  glyph_root, monkeypatch):
     """The flow resolves the params' names (loss, miner, backbone) only when its plan trains, so that a week with
-    nothing changed imports none of torch, pytorch-metric-learning and timm; a bad name still fails the run
-    before the data is validated or a model trained, naming the key."""
+    nothing changed imports neither pytorch-metric-learning nor timm; a bad name still fails the run before the
+    data is validated or a model trained, naming the key."""
     from xbn.config import ConfigError
     from xbn.flows.retrain import retrain
 
