@@ -25,6 +25,18 @@ def dvc(*args: str, cwd: Path) -> None:
     subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, check=True, capture_output=True, text=True)
 
 
+def dvc_project(folder: Path, remote: Path) -> None:
+    """`dvc init --no-scm` and `dvc remote add -d store <remote>` in `folder`, through DVC's Python API: what the
+    two commands write, without two processes that import DVC (about 0.7 s of CPU each, 40 of them here)."""
+    from dvc.repo import Repo
+
+    repo = Repo.init(folder, no_scm=True)
+    with repo.config.edit() as config:
+        config["remote"]["store"] = {"url": str(remote)}
+        config["core"]["remote"] = "store"
+    repo.close()
+
+
 def digests(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -36,8 +48,7 @@ def project(tmp_path, glyph_root, tiny_params, monkeypatch):
     dataset; the working directory is the project."""
     work, remote = tmp_path / "project", tmp_path / "remote"
     work.mkdir()
-    dvc("init", "--no-scm", "-q", cwd=work)
-    dvc("remote", "add", "-d", "store", str(remote), cwd=work)
+    dvc_project(work, remote)
     shutil.copytree(glyph_root / "images", work / "data" / "catalogue")
     monkeypatch.chdir(work)
     return work
@@ -95,8 +106,7 @@ def test_a_snapshot_records_the_folder_and_comes_back_exactly(project, tiny_para
     # A fresh project that has only the remote's address.
     clone = tmp_path / "clone"
     clone.mkdir()
-    dvc("init", "--no-scm", "-q", cwd=clone)
-    dvc("remote", "add", "-d", "store", str(tmp_path / "remote"), cwd=clone)
+    dvc_project(clone, tmp_path / "remote")
     import os
 
     os.chdir(clone)
@@ -125,8 +135,7 @@ def test_outside_a_dvc_project_or_outside_the_project_is_refused_with_the_way_ou
     prepare(params)
     with pytest.raises(ConfigError, match="data.version: none"):
         snapshot(params)
-    dvc("init", "--no-scm", "-q", cwd=tmp_path)
-    dvc("remote", "add", "-d", "store", str(tmp_path / "remote"), cwd=tmp_path)
+    dvc_project(tmp_path, tmp_path / "remote")
     with pytest.raises(ConfigError, match="outside the DVC project"):
         snapshot(params)
     unversioned = snapshot(tiny_params("data.version=none"))

@@ -1,7 +1,7 @@
-"""The weekly loop as deployed, for the fault suite: a Prefect server on PostgreSQL (leases on disk, as compose
-runs it) and a process worker started by infra/prefect/worker.sh, an MLflow server on the same PostgreSQL,
-reached through a proxy that can lose a response, a DVC project with a remote around a folder of real images,
-and a real HTTP receiver for the notifications. PostgreSQL is a cluster of this suite's own, so that restarting
+"""The weekly loop as deployed, for the fault suite: a Prefect server on PostgreSQL behind basic auth (leases on
+disk, as compose runs it) and a process worker started by infra/prefect/worker.sh, an MLflow server on the same
+PostgreSQL, reached through a proxy that can lose a response, a DVC project with a remote around a folder of real
+images, and a real HTTP receiver for the notifications. PostgreSQL is a cluster of this suite's own, so that restarting
 it disturbs no other test. One stack for the whole module; each case injects its fault into one tiny run."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.support import api, flow_run, free_port, stop, stop_worker, tail, wait_http
+from infra.support import AUTH, LEASE_STORAGE, api, flow_run, free_port, stop, stop_worker, tail, wait_http
 from tests_support import ROOT, TINY, NotificationReceiver
 
 from .support import LosingProxy, PrivatePostgres
@@ -50,6 +50,7 @@ class Loop:
     home: Path  # the stack's folder: artifacts/, dvc-remote/, the logs
     start_mlflow: object  # () -> None
     stop_mlflow: object  # () -> None
+    restart_prefect: object  # () -> float: the seconds the server was down
     timeline: list[dict] = field(default_factory=list)
 
     def failed(self, message: str) -> str:
@@ -61,7 +62,7 @@ class Loop:
         env = {**({"XBN_FAULT": fault, "XBN_FAULT_DIR": str(self.faults)} if fault else {}), **(env or {})}
         status, run = api(self.prefect_url, f"/deployments/{self.deployment_id}/create_flow_run",
                           {"parameters": {"overrides": [*self.overrides, *extra], "force": force},
-                           "job_variables": {"env": env}}, auth=None)
+                           "job_variables": {"env": env}})
         assert status == 201, f"create_flow_run: HTTP {status}"
         return run["id"]
 
@@ -108,7 +109,6 @@ def loop(tmp_path_factory) -> Iterator[Loop]:
     pg = PrivatePostgres()
     for database in ("prefect", "mlflow", "locks"):
         pg.create_database(database)
-    procs: list[subprocess.Popen] = []
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "XBN_"))}
     base |= {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PREFECT_HOME": str(tmp / "home"),
              "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "GX_ANALYTICS_ENABLED": "false",
@@ -136,22 +136,38 @@ def loop(tmp_path_factory) -> Iterator[Loop]:
     def stop_mlflow() -> None:
         stop(mlflow_proc[0])
 
-    # Prefect, on the same PostgreSQL, with compose's lease storage.
+    # Prefect, on the same PostgreSQL, as compose runs it: the API behind basic auth, the deployment's concurrency
+    # leases on disk (PREFECT_HOME), so that a restarted server still knows a running flow's lease (in memory the
+    # run crashed: issue 40).
     prefect_port = free_port()
     prefect_url, prefect_log = f"http://127.0.0.1:{prefect_port}/api", tmp / "prefect.log"
-    server_env = {**base, "PREFECT_UI_ENABLED": "false",
+    server_env = {**base, "PREFECT_UI_ENABLED": "false", "PREFECT_SERVER_API_AUTH_STRING": AUTH,
                   "PREFECT_API_DATABASE_CONNECTION_URL": pg.url("prefect", "postgresql+asyncpg"),
-                  "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE":
-                      "prefect.server.concurrency.lease_storage.filesystem"}
+                  "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": LEASE_STORAGE}
+    prefect_proc: list[subprocess.Popen] = []
+
+    def start_prefect(wait: bool = True) -> None:
+        with prefect_log.open("a") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                     "--port", str(prefect_port)], cwd=tmp, env=server_env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        prefect_proc[:] = [proc]
+        if wait:  # the health probe needs no auth, as in compose
+            wait_http(f"{prefect_url}/health", proc, prefect_log, timeout=180)
+
+    def restart_prefect() -> float:
+        """SIGTERM (as `docker restart` sends), then start it again: the seconds it was down."""
+        began = time.monotonic()
+        stop(prefect_proc[0])
+        start_prefect()
+        return time.monotonic() - began
+
     proxy = receiver = worker = None
     try:
         start_mlflow(wait=False)  # the two servers start side by side (each mostly waits on its migrations)
-        with prefect_log.open("w") as out:
-            procs.append(subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host",
-                                           "127.0.0.1", "--port", str(prefect_port)], cwd=tmp, env=server_env,
-                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        start_prefect(wait=False)
         wait_http(f"http://127.0.0.1:{mlflow_port}/health", mlflow_proc[0], mlflow_log, timeout=180)
-        wait_http(f"{prefect_url}/health", procs[-1], prefect_log, timeout=180)
+        wait_http(f"{prefect_url}/health", prefect_proc[0], prefect_log, timeout=180)
         proxy = LosingProxy(mlflow_port)
         receiver = NotificationReceiver()
 
@@ -178,7 +194,8 @@ def loop(tmp_path_factory) -> Iterator[Loop]:
         faults.mkdir()
         # The store through the proxy, as the pipeline's account with a password that needs every escape.
         password = urllib.parse.quote(f"p@ss/w0rd@{PLANTED}", safe="")
-        env = {**base, "PREFECT_API_URL": prefect_url, "XBN_WORKDIR": str(workdir), "PREFECT_WORKER_QUERY_SECONDS": "1",
+        env = {**base, "PREFECT_API_URL": prefect_url, "PREFECT_API_AUTH_STRING": AUTH, "XBN_WORKDIR": str(workdir),
+               "PREFECT_WORKER_QUERY_SECONDS": "1",
                "MLFLOW_TRACKING_URI": f"http://xbn-pipeline:{password}@127.0.0.1:{proxy.port}",
                "AWS_SECRET_ACCESS_KEY": f"aws{PLANTED}",
                "XBN_NOTIFY_URLS": receiver.url.replace("json://", f"json://notify:tok{PLANTED}@")}
@@ -187,15 +204,15 @@ def loop(tmp_path_factory) -> Iterator[Loop]:
             worker = subprocess.Popen(["bash", str(ROOT / "infra/prefect/worker.sh")], cwd=tmp, env=env,
                                       stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 240
-        while not (found := api(prefect_url, "/deployments/filter", {}, auth=None)[1]):
+        while not (found := api(prefect_url, "/deployments/filter", {})[1]):
             assert worker.poll() is None and time.monotonic() < deadline, tail(worker_log)
             time.sleep(1)
         yield Loop(pg, proxy, f"http://127.0.0.1:{mlflow_port}", prefect_url, found[0]["id"], workdir, faults,
-                   overrides, receiver, worker, worker_log, env, tmp, start_mlflow, stop_mlflow)
+                   overrides, receiver, worker, worker_log, env, tmp, start_mlflow, stop_mlflow, restart_prefect)
     finally:  # nothing is asserted of the stack's own shutdown: 1 s of grace, then SIGKILL
         if worker is not None:
             stop_worker(worker, grace=1)
-        for proc in [*procs, *mlflow_proc]:
+        for proc in [*prefect_proc, *mlflow_proc]:
             stop(proc, grace=1)
         if proxy is not None:
             proxy.close()

@@ -9,22 +9,29 @@ The cases build on each other's registry, so they run in order, one test each, o
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from .conftest import PLANTED, Loop, record
+from infra.support import api
+
+from .conftest import DEPLOYMENT, PLANTED, Loop, record
 
 pytestmark = pytest.mark.slow
 
 
-def assert_healthy(loop: Loop, extra: tuple[str, ...] = ()) -> dict:
+def assert_healthy(loop: Loop, extra: tuple[str, ...] = (), indexed: int = 96) -> dict:
     """The loop's invariants after a fault and the run that followed it, for the model the overrides plus `extra`
-    name; returns the versions and aliases. A registration ends done, or abandoned (held, never champion)."""
+    name; returns the versions and aliases. A registration ends done, or abandoned (held, never champion). The
+    champion serves `indexed` images: the whole catalogue (24 classes x 4 images) unless a case changed it."""
     from mlflow import MlflowClient
 
     from serving.serving_support import running
@@ -53,7 +60,7 @@ def assert_healthy(loop: Loop, extra: tuple[str, ...] = ()) -> dict:
     with running(serving_app(params, token=None)) as server:  # what a freshly started `xbn serve` loads
         health = server.get("/health")
         assert health.status_code == 200 and str(health.json()["version"]) == str(champion.version), health.text
-        assert health.json()["index_size"] == 96, health.text  # the whole catalogue: 24 classes x 4 images
+        assert health.json()["index_size"] == indexed, health.text
         image = next((loop.workdir / "data" / "catalogue").rglob("*.png")).read_bytes()
         found = server.post("/search", files={"image": ("q.png", image)}, data={"k": "3"})
         assert found.status_code == 200 and len(found.json()["results"]) == 3, found.text
@@ -302,13 +309,163 @@ def case_the_catalogue_then_no_planted_secret_anywhere(loop: Loop) -> None:
     assert not found, f"a planted secret landed in: {found}"
 
 
+def digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def redraw(path: Path) -> None:
+    """Replace an image in place with another drawing (same path and size, other bytes)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        changed = image.copy()
+    changed.putpixel((0, 0), 128 if changed.getpixel((0, 0)) != 128 else 0)
+    changed.save(path)
+
+
+def case_new_classes_fine_tune_the_champion_across_a_prefect_server_restart(loop: Loop) -> None:
+    """Issues 14, 24, 25 and 40, as a user who deployed the schedule lives them. Three classes are added and three
+    images redrawn in place, so the next run (not forced) fine-tunes the champion, with DataLoader workers on
+    (data.num_workers=2: they died with exit code 1 in flow runs). While it waits after training, a second run
+    started with `prefect deployment run` waits for the deployment's one slot (AwaitingConcurrencySlot, proposed
+    by the worker and held back by the server), and the Prefect server restarts: it still holds the running
+    flow's lease (on disk, as compose keeps them; in memory the run crashed), and the run completes. Its drift
+    report names the classes, the notification gives the verdict with the test R@1 and the flow run's link, and
+    each version's images come back exactly from the DVC remote, also in a fresh project that has only the
+    remote's address and the tracking store."""
+    from xbn.data.glyphs import generate_glyphs
+    from xbn.tracking import Registry
+
+    champion = Registry(loop.params()).by_alias("champion")
+    assert champion is not None, "no champion to fine-tune"
+    catalogue, sent, began = loop.workdir / "data" / "catalogue", len(loop.receiver.messages), time.monotonic()
+    before = digests(catalogue)
+    generated = generate_glyphs(loop.home / "glyphs-27", classes=27, images_per_class=4, image_size=32, seed=0)
+    for folder in sorted((generated / "images").iterdir())[24:]:
+        shutil.copytree(folder, catalogue / folder.name)
+    for path in sorted(catalogue.rglob("*.png"))[:3]:
+        redraw(path)
+    after = digests(catalogue)
+    logged = len(loop.worker_log.read_text(errors="replace"))
+
+    run_id = loop.start("retrain.after_train:wait", ["data.num_workers=2"])
+    loop.wait_reached("retrain.after_train", run_id)
+    started = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", DEPLOYMENT, "--params",
+                              json.dumps({"overrides": loop.overrides})], cwd=loop.workdir, env=loop.env,
+                             capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stdout + started.stderr
+    second = next(line.split("UUID:")[1].strip() for line in started.stdout.splitlines() if "UUID:" in line)
+    deadline = time.monotonic() + 120
+    while (waiting := loop.state(second))["state_name"] != "AwaitingConcurrencySlot":
+        assert waiting["state_type"] in ("SCHEDULED", "PENDING"), loop.failed(f"second run: {waiting['state_name']}")
+        assert time.monotonic() < deadline, loop.failed(f"the second run never waited for the slot: {waiting}")
+        time.sleep(0.5)
+    down = loop.restart_prefect()
+    _, deployment = api(loop.prefect_url, f"/deployments/{loop.deployment_id}")
+    limit = deployment["global_concurrency_limit"]["id"]
+    leases = Path(loop.env["PREFECT_HOME"]) / "concurrency_leases"
+    held = [path.read_text() for path in leases.glob("*.json") if path.name != "expirations.json"]
+    assert any(limit in text for text in held), loop.failed(f"no lease on {limit} after the restart: {held}")
+    # Not for the worker to start once the slot frees: it would train the same data again.
+    assert api(loop.prefect_url, f"/flow_runs/{second}", method="DELETE")[0] == 204
+    loop.release("retrain.after_train")
+    run = loop.finish(run_id)
+    assert run["state_type"] == "COMPLETED", loop.failed(f"after a Prefect server restart: {run['state_type']}")
+    printed = loop.worker_log.read_text(errors="replace")[logged:]
+    assert not re.search(r"exited unexpectedly|Retry \d+/\d+", printed), loop.failed("a task failed and was retried")
+
+    from mlflow import MlflowClient
+
+    name = loop.params().registry.model_name
+    versions = {int(v.version): v for v in MlflowClient(loop.mlflow_url).search_model_versions(f"name='{name}'")}
+    tuned = versions[max(versions)]
+    assert tuned.tags["parent_version"] == str(champion.version), tuned.tags
+    assert tuned.tags["data_md5"] != champion.tags["data_md5"]
+    drift = json.loads((loop.workdir / "reports" / "drift.json").read_text())
+    assert drift["changes"]["classes_added"] == {"count": 3, "examples": ["0024", "0025", "0026"]}, drift["changes"]
+    assert drift["champion_version"] == int(champion.version) and "+3 classes (0024, 0025, 0026)" in drift["line"]
+    assert drift["changes"]["images_changed"]["count"] == 3
+    # The two-sample test's picture (the permutation null, the projected embeddings) when it ran.
+    assert (loop.workdir / "reports" / "drift.png").exists() == drift["embedding"]["tested"]
+    promoted = tuned.tags["decision"] == "promoted"
+    state = assert_healthy(loop, indexed=108 if promoted else 96)
+    verdict = "promoted to champion" if promoted else f"held for review ({tuned.tags['decision']})"
+    titles = loop.messages_since(sent)
+    assert titles == [f"xbn: v{tuned.version} {verdict}"], titles
+    message = loop.receiver.messages[-1]["message"]
+    assert "test R@1" in message and "/runs/flow-run/" in message, message
+    record(loop, case_new_classes_fine_tune_the_champion_across_a_prefect_server_restart.__doc__.split(".")[0],
+           faulted_run=run["state_name"], prefect_down_s=round(down, 1), next_run_s=round(run["total_run_time"], 1),
+           started_to_checked_s=round(time.monotonic() - began, 1), **state, notifications=titles)
+
+    # Issue 25: the folder and the DVC cache are gone; each version's images come back from the remote.
+    shutil.rmtree(catalogue)
+    shutil.rmtree(loop.workdir / ".dvc" / "cache", ignore_errors=True)
+    fresh = loop.home / "fresh"
+    fresh.mkdir()
+    for args in (["init", "--no-scm", "-q"], ["remote", "add", "-d", "store", str(loop.home / "dvc-remote")]):
+        subprocess.run([sys.executable, "-m", "dvc", *args], cwd=fresh, env=loop.env, check=True, capture_output=True)
+    for where, version, expected in ((loop.workdir, champion.version, before), (loop.workdir, tuned.version, after),
+                                     (fresh, champion.version, before)):
+        target = loop.home / f"restored-{where.name}-v{version}"
+        done = subprocess.run([sys.executable, "-m", "xbn.cli", "data", "--params", str(loop.workdir / "params.yaml"),
+                               *(f"--set={o}" for o in loop.overrides), f"--set=tracking.uri={loop.mlflow_url}",
+                               "restore", "--model-version", str(version), "--to", str(target)], cwd=where,
+                              env=loop.env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert digests(target) == expected, f"v{version} restored in {where.name} differs"
+
+
+def test_the_worker_entrypoint_deployed_prefect_yaml_behind_basic_auth(loop):
+    """What infra/prefect/worker.sh left on the server before the cases run: the `xbn-process` pool, prefect.yaml's
+    deployment (stored in the PostgreSQL database compose gives Prefect), its weekly schedule creating flow runs,
+    the worker polling; compose's basic auth is enforced. A run by hand is queued on the pool."""
+    import psycopg2
+
+    url = loop.prefect_url
+    assert api(url, "/work_pools/filter", {}, auth=None)[0] == 401
+    assert api(url, "/work_pools/filter", {}, auth="admin:wrong")[0] == 401
+    status, pool = api(url, "/work_pools/xbn-process")
+    assert status == 200 and pool["type"] == "process"
+    status, deployments = api(url, "/deployments/filter", {})
+    assert status == 200 and [d["name"] for d in deployments] == ["xbn-weekly-retrain"]
+    deployment = deployments[0]
+    assert deployment["work_pool_name"] == "xbn-process"
+    assert deployment["entrypoint"] == "pipelines/retrain.py:retrain"
+    assert deployment["global_concurrency_limit"]["limit"] == 1
+    assert [(s["schedule"]["cron"], s["active"]) for s in deployment["schedules"]] == [("0 3 * * 1", True)]
+    deadline = time.monotonic() + 60  # the worker registers with its first heartbeat, once it polls
+    while not any(w["name"].startswith("xbn-worker-") for w in api(url, "/work_pools/xbn-process/workers/filter",
+                                                                    {})[1] or []):
+        assert time.monotonic() < deadline, loop.failed("the worker never registered with the pool")
+        time.sleep(0.5)
+    with psycopg2.connect(loop.pg.url("prefect")) as conn, conn.cursor() as cur:
+        cur.execute("SELECT name FROM deployment")
+        assert cur.fetchall() == [("xbn-weekly-retrain",)]
+    # The scheduler (every 5 s) creates the weekly runs, far ahead of the worker's window.
+    query = {"deployments": {"id": {"any_": [deployment["id"]]}}}
+    deadline, runs = time.monotonic() + 30, []
+    while not (runs := [r for r in api(url, "/flow_runs/filter", query)[1] or [] if r["auto_scheduled"]]):
+        assert time.monotonic() < deadline, "no flow run was scheduled:\n" + loop.failed("")
+        time.sleep(1)
+    assert {r["state_type"] for r in runs} == {"SCHEDULED"}
+    # A run by hand (`prefect deployment run`), queued on the pool for the worker; scheduled a year ahead, so the
+    # worker (which polls every second) leaves it, and deleted: without overrides it would train on the default.
+    status, run = api(url, f"/deployments/{deployment['id']}/create_flow_run",
+                      {"state": {"type": "SCHEDULED", "state_details": {"scheduled_time": "2100-01-04T03:00:00Z"}}})
+    assert status == 201 and run["state"]["type"] == "SCHEDULED" and run["work_queue_name"] == "default", run
+    assert api(url, f"/flow_runs/{run['id']}", method="DELETE")[0] == 204
+
+
 # In the order they run: each case builds on the registry the ones before it left (one stack per module; make
 # test's --dist loadfile keeps the module on one worker). A case that fails does not stop the next.
 CASES = (case_killed_after_the_champion_alias_moved, case_killed_after_training, case_killed_after_create,
          case_postgres_restarted_mid_flow_while_xbn_retrain_is_refused,
          case_mlflow_down_mid_register_and_a_lost_create_response,
          case_cut_dvc_files_and_a_foreign_rwlock, case_an_awaiting_version_with_a_tampered_checkpoint_is_abandoned,
-         case_the_catalogue_then_no_planted_secret_anywhere)
+         case_the_catalogue_then_no_planted_secret_anywhere,
+         case_new_classes_fine_tune_the_champion_across_a_prefect_server_restart)
 
 
 def selected_cases(only: str | None) -> list:
