@@ -58,7 +58,14 @@ class Loop:
 
     def start(self, fault: str | None = None, extra: list[str] = (), force: bool = False,
               env: dict[str, str] | None = None) -> str:
-        """A deployment run, as the schedule starts one; `fault`: XBN_FAULT, and `env`, for this run's process."""
+        """A deployment run, as the schedule starts one; `fault`: XBN_FAULT, and `env`, for this run's process.
+        A `wait` point starts unreached: a point released once lets every later pass (xbn.utils.faults), and an
+        earlier case may have used it."""
+        for entry in (fault or "").split(","):
+            point, _, action = entry.partition(":")
+            if action == "wait":
+                for suffix in (".reached", ".release"):
+                    (self.faults / f"{point}{suffix}").unlink(missing_ok=True)
         env = {**({"XBN_FAULT": fault, "XBN_FAULT_DIR": str(self.faults)} if fault else {}), **(env or {})}
         status, run = api(self.prefect_url, f"/deployments/{self.deployment_id}/create_flow_run",
                           {"parameters": {"overrides": [*self.overrides, *extra], "force": force},
