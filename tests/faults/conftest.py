@@ -21,15 +21,17 @@ from pathlib import Path
 
 import pytest
 
-from infra.support import AUTH, LEASE_STORAGE, api, flow_run, free_port, stop, stop_worker, tail, wait_http
+from infra.support import LEASE_STORAGE, api, free_port, stop, stop_worker, tail, wait_http
 from tests_support import ROOT, TINY, NotificationReceiver
 
 from .support import LosingProxy, PrivatePostgres
 
 DEPLOYMENT = "xbn-retrain/xbn-weekly-retrain"
 # Planted secrets (issue 41 item 3): every run of the suite gets them the way the docs say (the environment), and
-# none may land in any record: a password in the tracking URI (any character), an S3 secret key, a notifier token.
+# none may land in any record: a password in the tracking URI (any character), an S3 secret key, a notifier token,
+# the Prefect API's basic auth (compose's PREFECT_API_AUTH_STRING).
 PLANTED = "pl4nted" + uuid.uuid4().hex[:12]
+PREFECT_AUTH = f"admin:auth{PLANTED}"
 ALIVE = ("SCHEDULED", "PENDING", "RUNNING")
 
 
@@ -56,6 +58,10 @@ class Loop:
     def failed(self, message: str) -> str:
         return f"{message}\nworker log:\n{tail(self.worker_log, 8000)}"
 
+    def api(self, path: str, body: dict | None = None, method: str | None = None) -> tuple[int, object]:
+        """A call to the Prefect API, with the stack's basic auth."""
+        return api(self.prefect_url, path, body, auth=PREFECT_AUTH, method=method)
+
     def start(self, fault: str | None = None, extra: list[str] = (), force: bool = False,
               env: dict[str, str] | None = None) -> str:
         """A deployment run, as the schedule starts one; `fault`: XBN_FAULT, and `env`, for this run's process.
@@ -67,14 +73,16 @@ class Loop:
                 for suffix in (".reached", ".release"):
                     (self.faults / f"{point}{suffix}").unlink(missing_ok=True)
         env = {**({"XBN_FAULT": fault, "XBN_FAULT_DIR": str(self.faults)} if fault else {}), **(env or {})}
-        status, run = api(self.prefect_url, f"/deployments/{self.deployment_id}/create_flow_run",
+        status, run = self.api(f"/deployments/{self.deployment_id}/create_flow_run",
                           {"parameters": {"overrides": [*self.overrides, *extra], "force": force},
                            "job_variables": {"env": env}})
         assert status == 201, f"create_flow_run: HTTP {status}"
         return run["id"]
 
     def state(self, run_id: str) -> dict:
-        return flow_run(self.prefect_url, run_id)
+        status, run = self.api(f"/flow_runs/{run_id}")
+        assert status == 200, f"flow run {run_id}: HTTP {status}"
+        return run
 
     def finish(self, run_id: str, timeout: float = 420) -> dict:
         deadline = time.monotonic() + timeout
@@ -148,7 +156,7 @@ def loop(tmp_path_factory) -> Iterator[Loop]:
     # run crashed: issue 40).
     prefect_port = free_port()
     prefect_url, prefect_log = f"http://127.0.0.1:{prefect_port}/api", tmp / "prefect.log"
-    server_env = {**base, "PREFECT_UI_ENABLED": "false", "PREFECT_SERVER_API_AUTH_STRING": AUTH,
+    server_env = {**base, "PREFECT_UI_ENABLED": "false", "PREFECT_SERVER_API_AUTH_STRING": PREFECT_AUTH,
                   "PREFECT_API_DATABASE_CONNECTION_URL": pg.url("prefect", "postgresql+asyncpg"),
                   "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": LEASE_STORAGE}
     prefect_proc: list[subprocess.Popen] = []
@@ -201,8 +209,8 @@ def loop(tmp_path_factory) -> Iterator[Loop]:
         faults.mkdir()
         # The store through the proxy, as the pipeline's account with a password that needs every escape.
         password = urllib.parse.quote(f"p@ss/w0rd@{PLANTED}", safe="")
-        env = {**base, "PREFECT_API_URL": prefect_url, "PREFECT_API_AUTH_STRING": AUTH, "XBN_WORKDIR": str(workdir),
-               "PREFECT_WORKER_QUERY_SECONDS": "1",
+        env = {**base, "PREFECT_API_URL": prefect_url, "PREFECT_API_AUTH_STRING": PREFECT_AUTH,
+               "XBN_WORKDIR": str(workdir), "PREFECT_WORKER_QUERY_SECONDS": "1",
                "MLFLOW_TRACKING_URI": f"http://xbn-pipeline:{password}@127.0.0.1:{proxy.port}",
                "AWS_SECRET_ACCESS_KEY": f"aws{PLANTED}",
                "XBN_NOTIFY_URLS": receiver.url.replace("json://", f"json://notify:tok{PLANTED}@")}
@@ -211,7 +219,7 @@ def loop(tmp_path_factory) -> Iterator[Loop]:
             worker = subprocess.Popen(["bash", str(ROOT / "infra/prefect/worker.sh")], cwd=tmp, env=env,
                                       stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 240
-        while not (found := api(prefect_url, "/deployments/filter", {})[1]):
+        while not (found := api(prefect_url, "/deployments/filter", {}, auth=PREFECT_AUTH)[1]):
             assert worker.poll() is None and time.monotonic() < deadline, tail(worker_log)
             time.sleep(1)
         yield Loop(pg, proxy, f"http://127.0.0.1:{mlflow_port}", prefect_url, found[0]["id"], workdir, faults,

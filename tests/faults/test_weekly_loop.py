@@ -362,13 +362,13 @@ def case_new_classes_fine_tune_the_champion_across_a_prefect_server_restart(loop
         assert time.monotonic() < deadline, loop.failed(f"the second run never waited for the slot: {waiting}")
         time.sleep(0.5)
     down = loop.restart_prefect()
-    _, deployment = api(loop.prefect_url, f"/deployments/{loop.deployment_id}")
+    _, deployment = loop.api(f"/deployments/{loop.deployment_id}")
     limit = deployment["global_concurrency_limit"]["id"]
     leases = Path(loop.env["PREFECT_HOME"]) / "concurrency_leases"
     held = [path.read_text() for path in leases.glob("*.json") if path.name != "expirations.json"]
     assert any(limit in text for text in held), loop.failed(f"no lease on {limit} after the restart: {held}")
     # Not for the worker to start once the slot frees: it would train the same data again.
-    assert api(loop.prefect_url, f"/flow_runs/{second}", method="DELETE")[0] == 204
+    assert loop.api(f"/flow_runs/{second}", method="DELETE")[0] == 204
     loop.release("retrain.after_train")
     run = loop.finish(run_id)
     assert run["state_type"] == "COMPLETED", loop.failed(f"after a Prefect server restart: {run['state_type']}")
@@ -426,9 +426,9 @@ def test_the_worker_entrypoint_deployed_prefect_yaml_behind_basic_auth(loop):
     url = loop.prefect_url
     assert api(url, "/work_pools/filter", {}, auth=None)[0] == 401
     assert api(url, "/work_pools/filter", {}, auth="admin:wrong")[0] == 401
-    status, pool = api(url, "/work_pools/xbn-process")
+    status, pool = loop.api("/work_pools/xbn-process")
     assert status == 200 and pool["type"] == "process"
-    status, deployments = api(url, "/deployments/filter", {})
+    status, deployments = loop.api("/deployments/filter", {})
     assert status == 200 and [d["name"] for d in deployments] == ["xbn-weekly-retrain"]
     deployment = deployments[0]
     assert deployment["work_pool_name"] == "xbn-process"
@@ -436,7 +436,7 @@ def test_the_worker_entrypoint_deployed_prefect_yaml_behind_basic_auth(loop):
     assert deployment["global_concurrency_limit"]["limit"] == 1
     assert [(s["schedule"]["cron"], s["active"]) for s in deployment["schedules"]] == [("0 3 * * 1", True)]
     deadline = time.monotonic() + 60  # the worker registers with its first heartbeat, once it polls
-    while not any(w["name"].startswith("xbn-worker-") for w in api(url, "/work_pools/xbn-process/workers/filter",
+    while not any(w["name"].startswith("xbn-worker-") for w in loop.api("/work_pools/xbn-process/workers/filter",
                                                                     {})[1] or []):
         assert time.monotonic() < deadline, loop.failed("the worker never registered with the pool")
         time.sleep(0.5)
@@ -446,16 +446,16 @@ def test_the_worker_entrypoint_deployed_prefect_yaml_behind_basic_auth(loop):
     # The scheduler (every 5 s) creates the weekly runs, far ahead of the worker's window.
     query = {"deployments": {"id": {"any_": [deployment["id"]]}}}
     deadline, runs = time.monotonic() + 30, []
-    while not (runs := [r for r in api(url, "/flow_runs/filter", query)[1] or [] if r["auto_scheduled"]]):
+    while not (runs := [r for r in loop.api("/flow_runs/filter", query)[1] or [] if r["auto_scheduled"]]):
         assert time.monotonic() < deadline, "no flow run was scheduled:\n" + loop.failed("")
         time.sleep(1)
     assert {r["state_type"] for r in runs} == {"SCHEDULED"}
     # A run by hand (`prefect deployment run`), queued on the pool for the worker; scheduled a year ahead, so the
     # worker (which polls every second) leaves it, and deleted: without overrides it would train on the default.
-    status, run = api(url, f"/deployments/{deployment['id']}/create_flow_run",
+    status, run = loop.api(f"/deployments/{deployment['id']}/create_flow_run",
                       {"state": {"type": "SCHEDULED", "state_details": {"scheduled_time": "2100-01-04T03:00:00Z"}}})
     assert status == 201 and run["state"]["type"] == "SCHEDULED" and run["work_queue_name"] == "default", run
-    assert api(url, f"/flow_runs/{run['id']}", method="DELETE")[0] == 204
+    assert loop.api(f"/flow_runs/{run['id']}", method="DELETE")[0] == 204
 
 
 # In the order they run: each case builds on the registry the ones before it left (one stack per module; make
