@@ -31,8 +31,9 @@ if "XBN_CACHE_DIR" not in os.environ:  # before xdist starts its workers: they s
 
     os.environ["XBN_CACHE_DIR"] = tempfile.mkdtemp(prefix="xbn-test-cache-")
     atexit.register(shutil.rmtree, os.environ["XBN_CACHE_DIR"], True)
-# make test's xdist workers share the cores (three on two): one OpenMP thread each, and in every process they start. Threads
-# that outnumber the cores spin-wait on each other (measured: a bf16 test 4 s alone, 76 s beside the other worker).
+# make test's xdist workers share the cores (three on two): one OpenMP thread each, and in every process they
+# start. Threads that outnumber the cores spin-wait on each other (measured: a bf16 test 4 s alone, 76 s beside
+# the other worker).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch

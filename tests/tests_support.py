@@ -1,5 +1,6 @@
 """Constants shared by tests in several folders (importable because pytest puts tests/ on sys.path)."""
 
+import hashlib
 import json
 import socket
 from pathlib import Path
@@ -114,6 +115,12 @@ def fresh_environment(venv: Path, with_pip: bool = False, requirements: list[str
                               capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
     return python
+
+
+def digests(folder: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file under `folder`: two folders hold the same files, byte for byte."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def free_port() -> int:

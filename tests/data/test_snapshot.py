@@ -3,7 +3,6 @@ back byte for byte, also in a fresh clone that has only the remote. Real DVC, re
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -15,6 +14,7 @@ import pandas as pd
 import pytest
 from hypothesis import strategies as st
 
+from tests_support import digests
 from xbn.config import ConfigError
 from xbn.data import DatasetError
 from xbn.data.snapshot import DATA_FILES, DATA_RECORD, diff_files, diff_line, read_record, restore, snapshot
@@ -35,11 +35,6 @@ def dvc_project(folder: Path, remote: Path) -> None:
         config["remote"]["store"] = {"url": str(remote)}
         config["core"]["remote"] = "store"
     repo.close()
-
-
-def digests(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture

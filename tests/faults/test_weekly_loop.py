@@ -9,7 +9,6 @@ The cases build on each other's registry, so they run in order, one test each, o
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import os
 import re
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from infra.support import api
+from tests_support import digests
 
 from .conftest import DEPLOYMENT, PLANTED, Loop, record
 
@@ -307,11 +307,6 @@ def case_the_catalogue_then_no_planted_secret_anywhere(loop: Loop) -> None:
     found += [f"notification {m.get('title')!r}" for m in loop.receiver.messages if PLANTED in json.dumps(m)]
     assert (loop.workdir / "reports").is_dir() and loop.receiver.messages  # something to search
     assert not found, f"a planted secret landed in: {found}"
-
-
-def digests(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def redraw(path: Path) -> None:

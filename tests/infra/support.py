@@ -99,14 +99,11 @@ def env_example() -> dict[str, str]:
     return values
 
 
-# The Prefect server keeps its concurrency leases on disk (compose, and the live test that restarts a server).
+# The Prefect server keeps its concurrency leases on disk (compose, and the fault suite, which restarts a server).
 LEASE_STORAGE = "prefect.server.concurrency.lease_storage.filesystem"
 
 
-AUTH = "admin:s3cret-for-the-test"  # the Prefect API's basic auth in the stacks the tests start
-
-
-def api(url: str, path: str, body: dict | None = None, auth: str | None = AUTH,
+def api(url: str, path: str, body: dict | None = None, auth: str | None = None,
         method: str | None = None) -> tuple[int, object]:
     request = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
                                      method=method or ("GET" if body is None else "POST"),
@@ -118,12 +115,6 @@ def api(url: str, path: str, body: dict | None = None, auth: str | None = AUTH,
             return response.status, json.loads(response.read() or b"null")
     except urllib.error.HTTPError as exc:
         return exc.code, None
-
-
-def flow_run(url: str, run_id: str) -> dict:
-    status, run = api(url, f"/flow_runs/{run_id}")
-    assert status == 200, f"flow run {run_id}: HTTP {status}"
-    return run
 
 
 def stop_worker(worker: subprocess.Popen, grace: float = 5) -> None:
