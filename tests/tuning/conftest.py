@@ -12,9 +12,11 @@ import pytest
 
 from tests_support import ROOT, TINY
 
-# One epoch per trial, no warm-up: a trial takes about two seconds on a CPU.
+# One epoch per trial, no warm-up: a trial takes about two seconds on a CPU. A beat every second, and a dead
+# worker's trial failed after 15 s without one: a 2 s grace failed a live worker's trial in make test (its
+# heartbeat thread starved beside three xdist workers on two cores).
 TUNE_TINY = ["train.warmup_epochs=0", "tune.epochs=1", "tune.pruner_startup_trials=1",
-             "tune.heartbeat_interval=1", "tune.grace_period=2"]
+             "tune.heartbeat_interval=1", "tune.grace_period=15"]
 POSTGRES_ADMIN = os.environ.get("XBN_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 

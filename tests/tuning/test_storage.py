@@ -41,6 +41,37 @@ def test_workers_racing_on_a_journal_create_exactly_the_budget(tmp_path):
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
 
 
+def test_a_trial_failed_by_another_worker_meanwhile_is_dropped_and_its_worker_goes_on(tmp_path, caplog):
+    """A worker stalled past grace_period (its heartbeat thread starved on a loaded machine) has its trial marked
+    failed by another worker's check, then finishes it: its result is dropped with a warning, and the worker
+    goes on with the next trial instead of dying on Optuna's "Cannot tell a FAIL trial" (seen in make test)."""
+    # One beat when the trial starts, none after: silent for the 1 s grace period, as a starved thread is.
+    params = load_params(ROOT / "params.yaml", [f"tune.storage=sqlite:///{tmp_path / 'o.db'}",
+                                                "tune.study_name=stalled", "tune.heartbeat_interval=60",
+                                                "tune.grace_period=1"])
+    spec = resolve_storage(params.tune, 1)
+    other = open_study(params, spec, seed=None)  # the other worker, as in its own process
+
+    def objective(trial):
+        x = trial.suggest_float("x", 0.0, 1.0)
+        deadline = time.monotonic() + 30
+        while trial.number < 2 and other.study.trials[trial.number].state != optuna.trial.TrialState.FAIL:
+            assert time.monotonic() < deadline, "the silent worker's trial was never failed"
+            time.sleep(0.2)
+            optuna.storages.fail_stale_trials(other.study)  # what the other worker does before each trial
+        if trial.number == 1:
+            trial.report(x, step=1)  # an epoch's report after the failure (trial 0: the end of the trial)
+        return x
+
+    assert run_worker(open_study(params, spec, seed=None), objective, trials=3) == 3
+    trials = other.study.get_trials()
+    FAIL, COMPLETE = optuna.trial.TrialState.FAIL, optuna.trial.TrialState.COMPLETE
+    assert [t.state for t in trials] == [FAIL, FAIL, COMPLETE]
+    assert trials[0].values is None and not trials[1].intermediate_values  # the stalled results were dropped
+    for number in (0, 1):
+        assert f"trial {number} was marked failed by another worker while it ran here" in caplog.text
+
+
 def test_a_named_study_refuses_params_it_was_not_run_with(tmp_path):
     storage = f"tune.storage=sqlite:///{tmp_path / 'o.db'}"
     first = load_params(ROOT / "params.yaml", [storage, "tune.study_name=s"])

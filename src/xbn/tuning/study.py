@@ -155,6 +155,8 @@ class Objective:
         except optuna.TrialPruned:
             state = "PRUNED"
             raise
+        except optuna.exceptions.UpdateFinishedTrialError:  # failed by another worker meanwhile (_run_trial)
+            raise
         except Exception as exc:
             trial.set_user_attr(ERROR_ATTR, f"{type(exc).__name__}: {exc}"[:500])
             raise
@@ -210,17 +212,36 @@ def _run_trial(study: optuna.Study, trial: optuna.Trial, objective: Callable[[op
     try:
         value = objective(trial)
     except optuna.TrialPruned as exc:
-        study.tell(trial, state=TrialState.PRUNED)  # Optuna keeps the last reported value
-        log.info("trial %d pruned at %s", trial.number, exc)
+        if _tell(study, trial, TrialState.PRUNED):  # Optuna keeps the last reported value
+            log.info("trial %d pruned at %s", trial.number, exc)
+    except optuna.exceptions.UpdateFinishedTrialError:  # an epoch's report, after another worker failed it
+        _dropped(trial)
     except catch as exc:
-        study.tell(trial, state=TrialState.FAIL)
+        _tell(study, trial, TrialState.FAIL)
         log.warning("trial %d failed, the study goes on: %r", trial.number, exc)
     except BaseException:
-        study.tell(trial, state=TrialState.FAIL)
+        _tell(study, trial, TrialState.FAIL)
         raise
     else:
-        study.tell(trial, value)
-        log.info("trial %d: %s %.4f with %s", trial.number, OBJECTIVE, value, trial.params)
+        if _tell(study, trial, TrialState.COMPLETE, value):
+            log.info("trial %d: %s %.4f with %s", trial.number, OBJECTIVE, value, trial.params)
+
+
+# A trial can end twice: a worker stalled past `tune.grace_period` (its heartbeat thread starved on a loaded
+# machine) has it marked failed by another worker's `fail_lost_trials`, then reports or finishes it. Optuna then
+# raises ("Cannot tell a FAIL trial", UpdateFinishedTrialError) and would end a worker that is alive and well:
+# the trial stays failed, as the study has already counted it, and the worker goes on.
+def _tell(study: optuna.Study, trial: optuna.Trial, state: TrialState, value: float | None = None) -> bool:
+    """Tell Optuna how the trial ended; False if another worker had failed it meanwhile."""
+    if study.tell(trial, value, state=state, skip_if_finished=True).state != state:
+        _dropped(trial)
+        return False
+    return True
+
+
+def _dropped(trial: optuna.Trial) -> None:
+    log.warning("trial %d was marked failed by another worker while it ran here (no heartbeat for "
+                "tune.grace_period): its result is dropped and the study goes on", trial.number)
 
 
 class _Heartbeat:
