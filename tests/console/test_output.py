@@ -4,6 +4,7 @@ summary generated from the files the stages wrote."""
 import json
 import logging
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,20 @@ def test_library_info_stays_out_and_xbn_lines_read_as_sentences(capsys):
     err = capsys.readouterr().err.splitlines()
     assert err == ["xbn evaluate: R@1 0.5000 -> metrics/eval.json",
                    "xbn evaluate: WARNING faiss.loader: a library warning"]
+
+
+def test_the_console_follows_sys_stderr_when_it_is_replaced(monkeypatch):
+    """A stream replaced after configure_logging (here, as pytest's capture of an earlier test, closed since) is
+    not written to: the line goes to the sys.stderr of the moment, with no "--- Logging error ---"."""
+    import io
+
+    earlier, now = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", earlier)
+    configure_logging()
+    earlier.close()
+    monkeypatch.setattr(sys, "stderr", now)
+    logging.getLogger("xbn.stages.evaluate").info("R@1 0.5000 -> metrics/eval.json")
+    assert now.getvalue() == "R@1 0.5000 -> metrics/eval.json\n"
 
 
 def test_verbose_brings_every_library_line_back(capsys):

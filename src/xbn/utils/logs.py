@@ -5,10 +5,22 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 
 class _ConsoleHandler(logging.StreamHandler):
+    """Writes to the sys.stderr of the moment, as logging's last resort does: a stream replaced after
+    configure_logging (pytest's capture, a notebook's redirect) is followed, never written to once closed."""
+
     xbn_console = True  # ours: the next configure_logging replaces it
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ and setStream assign it: sys.stderr wins
+        pass
 
 
 class _ConsoleFormatter(logging.Formatter):
