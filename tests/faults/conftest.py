@@ -74,8 +74,8 @@ class Loop:
                     (self.faults / f"{point}{suffix}").unlink(missing_ok=True)
         env = {**({"XBN_FAULT": fault, "XBN_FAULT_DIR": str(self.faults)} if fault else {}), **(env or {})}
         status, run = self.api(f"/deployments/{self.deployment_id}/create_flow_run",
-                          {"parameters": {"overrides": [*self.overrides, *extra], "force": force},
-                           "job_variables": {"env": env}})
+                               {"parameters": {"overrides": [*self.overrides, *extra], "force": force},
+                                "job_variables": {"env": env}})
         assert status == 201, f"create_flow_run: HTTP {status}"
         return run["id"]
 

@@ -431,8 +431,8 @@ def test_the_worker_entrypoint_deployed_prefect_yaml_behind_basic_auth(loop):
     assert deployment["global_concurrency_limit"]["limit"] == 1
     assert [(s["schedule"]["cron"], s["active"]) for s in deployment["schedules"]] == [("0 3 * * 1", True)]
     deadline = time.monotonic() + 60  # the worker registers with its first heartbeat, once it polls
-    while not any(w["name"].startswith("xbn-worker-") for w in loop.api("/work_pools/xbn-process/workers/filter",
-                                                                    {})[1] or []):
+    while not any(w["name"].startswith("xbn-worker-")
+                  for w in loop.api("/work_pools/xbn-process/workers/filter", {})[1] or []):
         assert time.monotonic() < deadline, loop.failed("the worker never registered with the pool")
         time.sleep(0.5)
     with psycopg2.connect(loop.pg.url("prefect")) as conn, conn.cursor() as cur:
@@ -448,7 +448,7 @@ def test_the_worker_entrypoint_deployed_prefect_yaml_behind_basic_auth(loop):
     # A run by hand (`prefect deployment run`), queued on the pool for the worker; scheduled a year ahead, so the
     # worker (which polls every second) leaves it, and deleted: without overrides it would train on the default.
     status, run = loop.api(f"/deployments/{deployment['id']}/create_flow_run",
-                      {"state": {"type": "SCHEDULED", "state_details": {"scheduled_time": "2100-01-04T03:00:00Z"}}})
+                           {"state": {"type": "SCHEDULED", "state_details": {"scheduled_time": "2100-01-04T03:00:00Z"}}})
     assert status == 201 and run["state"]["type"] == "SCHEDULED" and run["work_queue_name"] == "default", run
     assert loop.api(f"/flow_runs/{run['id']}", method="DELETE")[0] == 204
 

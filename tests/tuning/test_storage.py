@@ -16,6 +16,7 @@ from xbn.config import ConfigError, load_params
 from xbn.stages.tune import tune
 from xbn.tuning import open_study, resolve_storage, run_worker
 from xbn.tuning.storage import journal_storage
+from xbn.tuning.study import fail_lost_trials
 
 
 def test_workers_racing_on_a_journal_create_exactly_the_budget(tmp_path):
@@ -58,7 +59,7 @@ def test_a_trial_failed_by_another_worker_meanwhile_is_dropped_and_its_worker_go
         while trial.number < 2 and other.study.trials[trial.number].state != optuna.trial.TrialState.FAIL:
             assert time.monotonic() < deadline, "the silent worker's trial was never failed"
             time.sleep(0.2)
-            optuna.storages.fail_stale_trials(other.study)  # what the other worker does before each trial
+            fail_lost_trials(other)  # what the other worker does before each trial
         if trial.number == 1:
             trial.report(x, step=1)  # an epoch's report after the failure (trial 0: the end of the trial)
         return x
